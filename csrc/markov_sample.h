@@ -1,0 +1,46 @@
+// markov_sample: the whole sequential drafting stage for R requests and gamma positions
+// (DESIGN §2 steps 2-3). Semantics are defined by dspark_rt/ops/reference.py::markov_sample.
+#pragma once
+#include "common.h"
+
+namespace dspark {
+
+enum class MarkovHead : int { kNone = 0, kVanilla = 1, kGated = 2, kRnn = 3 };
+
+struct MarkovSampleParams {
+  int64_t R = 0, gamma = 0, V = 0;
+  int64_t rank = 0;    // r: Markov rank (0 with head kNone)
+  int64_t d = 0;       // hidden size of h_k
+  MarkovHead head = MarkovHead::kNone;
+  bool confidence = false;         // a confidence head exists
+  bool confidence_markov = false;  // its input is [h_k; W1[x_{k-1}]] instead of h_k
+  DType dtype = DType::kFloat32;   // logits, hidden and every weight
+  DType out_dtype = DType::kFloat32;  // logprob, lse, conf_logit: float64 iff dtype is float64
+
+  void* logits = nullptr;          // [R, gamma, V] in: base logits U; out: z = U + bias
+  const void* hidden = nullptr;    // [R, gamma, d]
+  const int64_t* anchor = nullptr; // [R] x0
+  const void* w1 = nullptr;        // [V, rank]  markov_w1.weight (embedding)
+  const void* w2 = nullptr;        // [V, rank]  markov_w2.weight (Linear rank -> V)
+  const void* gate_w = nullptr;    // [rank, d + rank] gated head, input [h_k; e]
+  const void* gate_b = nullptr;    // [rank]
+  const void* joint_w = nullptr;   // [3 rank, rank + rank + d] rnn head, input [s; e; h_k]
+  const void* joint_b = nullptr;   // [3 rank]
+  const void* conf_w = nullptr;    // [d] or [d + rank]
+  const void* conf_b = nullptr;    // [1]
+
+  const float* temperature = nullptr;  // [R]; 0 means greedy
+  const uint64_t* seed = nullptr;      // [R]
+  const int64_t* stream = nullptr;     // [R] random stream id (philox.h)
+  const int64_t* round = nullptr;      // [R] the request's round counter
+
+  int64_t* tokens = nullptr;       // [R, gamma] x_1..x_gamma
+  void* logprob = nullptr;         // [R, gamma] log q_k(x_k)  (greedy: log softmax(z)(x_k))
+  void* lse = nullptr;             // [R, gamma] logsumexp(z / T) (greedy: T = 1)
+  void* conf_logit = nullptr;      // [R, gamma] raw confidence logit (0 without a head)
+};
+
+Status MarkovSampleCpu(const MarkovSampleParams& p);
+Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream);
+
+}  // namespace dspark

@@ -1,0 +1,31 @@
+// rejection_sample: lossless acceptance for a whole batch (DESIGN §2 step 6).
+// Semantics are defined by dspark_rt/ops/reference.py::rejection_sample.
+#pragma once
+#include "common.h"
+
+namespace dspark {
+
+struct RejectionSampleParams {
+  int64_t R = 0, gamma = 0, V = 0;  // gamma may be 0 (plain autoregressive sampling)
+  DType dtype = DType::kFloat32;    // target_logits and draft_logits
+  DType lse_dtype = DType::kFloat32;  // draft_lse: float64 iff dtype is float64
+
+  const void* target_logits = nullptr;  // [N, V]; request r owns rows cu_rows[r] .. cu_rows[r+1]-1
+  const int32_t* cu_rows = nullptr;     // [R + 1]; l_r = cu_rows[r+1] - cu_rows[r] - 1 in [0, gamma]
+  const int64_t* draft_tokens = nullptr;  // [R, gamma]
+  const void* draft_logits = nullptr;     // [R, gamma, V] z (before temperature)
+  const void* draft_lse = nullptr;        // [R, gamma] logsumexp(z / T)
+
+  const float* temperature = nullptr;  // [R]; 0 means greedy
+  const uint64_t* seed = nullptr;      // [R]
+  const int64_t* stream = nullptr;     // [R]
+  const int64_t* round = nullptr;      // [R]
+
+  int32_t* num_accepted = nullptr;  // [R] a_r
+  int64_t* out_tokens = nullptr;    // [R, gamma + 1] x_1..x_a, y, then -1
+};
+
+Status RejectionSampleCpu(const RejectionSampleParams& p);
+Status RejectionSampleCuda(const RejectionSampleParams& p, void* stream);
+
+}  // namespace dspark

@@ -1,0 +1,267 @@
+"""The single Python door to the kernels.
+
+Each op checks its tensors once, by name (dtype, device, shape, contiguity, index ranges), picks
+a backend and hands raw pointers, sizes and the current stream to the extension. Backends:
+"reference" (ops/reference.py, plain PyTorch, the ground truth), "cpp" (C++ CPU kernels) and
+"cuda". The default follows the tensors' device; DSPARK_BACKEND=reference forces the reference.
+"""
+import os
+
+import torch
+
+from . import reference
+from ._check import OpError, fail, int_range, tensor
+
+try:
+    from .. import _C  # type: ignore[attr-defined]
+except ImportError:  # the package can be imported (and tested) without the extension
+    _C = None
+
+__all__ = ["markov_sample", "rejection_sample", "prefix_topk", "verify_attention", "OpError",
+           "available_backends", "HEADS"]
+
+HEADS = reference.HEADS
+_DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+_CPU_DTYPES = (torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def available_backends():
+    out = ["reference"]
+    if _C is not None:
+        out.append("cpp")
+        if _C.build_info().get("cuda"):
+            out.append("cuda")
+    return out
+
+
+def _backend(op, device: torch.device, backend):
+    if backend is None:
+        backend = os.environ.get("DSPARK_BACKEND") or ("cuda" if device.type == "cuda" else "cpp")
+        if backend != "reference" and backend not in available_backends():
+            backend = "reference"
+    if backend not in ("reference", "cpp", "cuda"):
+        fail(op, f"backend must be 'reference', 'cpp' or 'cuda', got {backend!r}")
+    if backend != "reference" and backend not in available_backends():
+        fail(op, f"backend {backend!r} is not available in this build ({available_backends()})")
+    if (backend == "cuda") != (device.type == "cuda"):
+        fail(op, f"backend {backend!r} cannot run tensors on {device}")
+    return backend
+
+
+def _float_dtypes(backend):
+    if backend == "reference":
+        return (*_CPU_DTYPES, torch.float16, torch.bfloat16)
+    return _CUDA_DTYPES if backend == "cuda" else _CPU_DTYPES
+
+
+def _run(op_name, params, backend, device):
+    stream = torch.cuda.current_stream(device).cuda_stream if backend == "cuda" else 0
+    getattr(_C, op_name)(params, backend, stream)
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None, gate_b=None,
+                  joint_w=None, joint_b=None, conf_w=None, conf_b=None, temperature, seed,
+                  stream, round_, backend=None):
+    """Sequential drafting stage; see reference.markov_sample for the semantics.
+
+    logits [R, gamma, V] is overwritten with the corrected logits z = U + bias (pass a clone to
+    keep U). Returns (tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma]).
+    """
+    op = "markov_sample"
+    if head not in HEADS:
+        fail(op, f"head must be one of {HEADS}, got {head!r}")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        fail(op, f"logits must be a [R, gamma, V] tensor, got "
+                 f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
+    if not logits.is_contiguous():
+        fail(op, "logits must be contiguous (it is written in place)")
+    R, gamma, V = logits.shape
+    dev = logits.device
+    be = _backend(op, dev, backend)
+    fdt = logits.dtype
+    if fdt not in _float_dtypes(be):
+        fail(op, f"logits dtype {fdt} is not supported by backend {be!r}")
+    hidden = tensor(op, "hidden", hidden, dtype=fdt, ndim=3, device=dev)
+    d = hidden.shape[2]
+    tensor(op, "hidden", hidden, shape=(R, gamma, d))
+    anchor = tensor(op, "anchor", anchor, dtype=torch.int64, shape=(R,), device=dev)
+    int_range(op, "anchor", anchor, 0, V)
+    rank = 0
+    if head != "none" or (conf_w is not None and w1 is not None):
+        if w1 is None or w2 is None:
+            fail(op, f"head {head!r} needs w1 and w2")
+        w1 = tensor(op, "w1", w1, dtype=fdt, ndim=2, device=dev)
+        rank = w1.shape[1]
+        w1 = tensor(op, "w1", w1, shape=(V, rank))
+        w2 = tensor(op, "w2", w2, dtype=fdt, shape=(V, rank), device=dev)
+    if head == "gated":
+        gate_w = tensor(op, "gate_w", gate_w, dtype=fdt, shape=(rank, d + rank), device=dev)
+        gate_b = tensor(op, "gate_b", gate_b, dtype=fdt, shape=(rank,), device=dev)
+    if head == "rnn":
+        joint_w = tensor(op, "joint_w", joint_w, dtype=fdt, shape=(3 * rank, 2 * rank + d),
+                         device=dev)
+        joint_b = tensor(op, "joint_b", joint_b, dtype=fdt, shape=(3 * rank,), device=dev)
+    conf_markov = False
+    if conf_w is not None:
+        conf_w = tensor(op, "conf_w", conf_w, dtype=fdt, ndim=1, device=dev)
+        conf_markov = conf_w.shape[0] != d
+        if conf_markov and (rank == 0 or conf_w.shape[0] != d + rank):
+            fail(op, f"conf_w must have {d} entries (or {d} + rank with w1), got {conf_w.shape[0]}")
+        conf_b = tensor(op, "conf_b", conf_b, dtype=fdt, shape=(1,), device=dev)
+    temperature = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
+    seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
+    stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
+    round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
+    if be == "reference":
+        return reference.markov_sample(logits, hidden, anchor, head, w1, w2, gate_w, gate_b,
+                                       joint_w, joint_b, conf_w, conf_b, temperature, seed,
+                                       stream, round_)
+    out_dt = torch.float64 if fdt == torch.float64 else torch.float32
+    tokens = torch.empty(R, gamma, dtype=torch.int64, device=dev)
+    logprob, lse = torch.empty(R, gamma, dtype=out_dt, device=dev), torch.empty(R, gamma, dtype=out_dt, device=dev)
+    conf = torch.zeros(R, gamma, dtype=out_dt, device=dev)
+    p = _C.MarkovSampleParams()
+    p.R, p.gamma, p.V, p.rank, p.d = R, gamma, V, rank, d
+    p.head = HEADS.index(head)
+    p.confidence, p.confidence_markov = conf_w is not None, conf_markov
+    p.dtype, p.out_dtype = _DTYPE_CODE[fdt], _DTYPE_CODE[out_dt]
+    p.logits, p.hidden, p.anchor = _ptr(logits), _ptr(hidden), _ptr(anchor)
+    p.w1, p.w2, p.gate_w, p.gate_b = _ptr(w1), _ptr(w2), _ptr(gate_w), _ptr(gate_b)
+    p.joint_w, p.joint_b, p.conf_w, p.conf_b = _ptr(joint_w), _ptr(joint_b), _ptr(conf_w), _ptr(conf_b)
+    p.temperature, p.seed, p.stream, p.round = _ptr(temperature), _ptr(seed), _ptr(stream), _ptr(round_)
+    p.tokens, p.logprob, p.lse, p.conf_logit = _ptr(tokens), _ptr(logprob), _ptr(lse), _ptr(conf)
+    _run("markov_sample", p, be, dev)
+    return tokens, logprob, lse, conf
+
+
+def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, *,
+                     temperature, seed, stream, round_, backend=None):
+    """Lossless acceptance; see reference.rejection_sample for the semantics.
+
+    target_logits [N, V]; cu_rows [R + 1] int32; draft_tokens [R, gamma] int64 (gamma may be 0,
+    then draft_logits / draft_lse may be None); draft_logits [R, gamma, V]; draft_lse [R, gamma].
+    Returns (num_accepted [R] int32, out_tokens [R, gamma + 1] int64, -1 padded).
+    """
+    op = "rejection_sample"
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
+        fail(op, "target_logits must be a [N, V] tensor")
+    dev = target_logits.device
+    be = _backend(op, dev, backend)
+    fdt = target_logits.dtype
+    if fdt not in _float_dtypes(be):
+        fail(op, f"target_logits dtype {fdt} is not supported by backend {be!r}")
+    target_logits = target_logits.contiguous()
+    N, V = target_logits.shape
+    cu_rows = tensor(op, "cu_rows", cu_rows, dtype=torch.int32, ndim=1, device=dev)
+    R = cu_rows.shape[0] - 1
+    if R < 0:
+        fail(op, "cu_rows must have R + 1 >= 1 entries")
+    if draft_tokens is None:
+        draft_tokens = torch.empty(R, 0, dtype=torch.int64, device=dev)
+    draft_tokens = tensor(op, "draft_tokens", draft_tokens, dtype=torch.int64, ndim=2, device=dev)
+    gamma = draft_tokens.shape[1]
+    tensor(op, "draft_tokens", draft_tokens, shape=(R, gamma))
+    int_range(op, "draft_tokens", draft_tokens, 0, V)
+    if gamma:
+        draft_logits = tensor(op, "draft_logits", draft_logits, dtype=fdt, shape=(R, gamma, V), device=dev)
+        lse_dt = torch.float64 if fdt == torch.float64 else torch.float32
+        draft_lse = tensor(op, "draft_lse", draft_lse, dtype=lse_dt, shape=(R, gamma), device=dev)
+    if cu_rows.device.type == "cpu" and R > 0:
+        n = cu_rows[1:] - cu_rows[:-1]
+        if int(cu_rows[0]) != 0 or int(cu_rows[-1]) != N or int(n.min()) < 1 or int(n.max()) > gamma + 1:
+            fail(op, f"cu_rows must start at 0, end at N={N} and give each request 1..gamma+1="
+                     f"{gamma + 1} rows, got {cu_rows.tolist()}")
+    temperature = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
+    seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
+    stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
+    round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
+    if be == "reference":
+        return reference.rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits,
+                                          draft_lse, temperature, seed, stream, round_)
+    num_acc = torch.zeros(R, dtype=torch.int32, device=dev)
+    out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
+    p = _C.RejectionSampleParams()
+    p.R, p.gamma, p.V = R, gamma, V
+    p.dtype = _DTYPE_CODE[fdt]
+    p.lse_dtype = _DTYPE_CODE[torch.float64 if fdt == torch.float64 else torch.float32]
+    p.target_logits, p.cu_rows, p.draft_tokens = _ptr(target_logits), _ptr(cu_rows), _ptr(draft_tokens)
+    p.draft_logits = _ptr(draft_logits) if gamma else 0
+    p.draft_lse = _ptr(draft_lse) if gamma else 0
+    p.temperature, p.seed, p.stream, p.round = _ptr(temperature), _ptr(seed), _ptr(stream), _ptr(round_)
+    p.num_accepted, p.out_tokens = _ptr(num_acc), _ptr(out)
+    _run("rejection_sample", p, be, dev)
+    return num_acc, out
+
+
+def prefix_topk(survival, K: int, *, backend=None):
+    """Verify lengths of the top-K candidates; see reference.prefix_topk. Returns [R] int32."""
+    op = "prefix_topk"
+    survival = tensor(op, "survival", survival, dtype=torch.float32, ndim=2)
+    if not isinstance(K, int) or K < 0:
+        fail(op, f"K must be a non-negative int, got {K!r}")
+    dev = survival.device
+    be = _backend(op, dev, backend)
+    if be == "reference":
+        return reference.prefix_topk(survival, K)
+    R, gamma = survival.shape
+    lengths = torch.zeros(R, dtype=torch.int32, device=dev)
+    p = _C.PrefixTopkParams()
+    p.R, p.gamma, p.K = R, gamma, K
+    p.survival, p.lengths = _ptr(survival), _ptr(lengths)
+    _run("prefix_topk", p, be, dev)
+    return lengths
+
+
+def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal=True,
+                     scale=None, backend=None):
+    """Ragged paged attention; see reference.verify_attention. Returns [N, h_q, head_dim]."""
+    op = "verify_attention"
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        fail(op, "q must be a [N, h_q, head_dim] tensor")
+    dev = q.device
+    be = _backend(op, dev, backend)
+    fdt = q.dtype
+    if fdt not in _float_dtypes(be):
+        fail(op, f"q dtype {fdt} is not supported by backend {be!r}")
+    q = q.contiguous()
+    N, h_q, hd = q.shape
+    k_cache = tensor(op, "k_cache", k_cache, dtype=fdt, ndim=4, device=dev)
+    num_pages, page_size, h_kv, _ = k_cache.shape
+    tensor(op, "k_cache", k_cache, shape=(num_pages, page_size, h_kv, hd))
+    v_cache = tensor(op, "v_cache", v_cache, dtype=fdt, shape=tuple(k_cache.shape), device=dev)
+    if h_kv == 0 or h_q % h_kv:
+        fail(op, f"h_q={h_q} must be a multiple of h_kv={h_kv}")
+    cu_q = tensor(op, "cu_q", cu_q, dtype=torch.int32, ndim=1, device=dev)
+    R = cu_q.shape[0] - 1
+    block_tables = tensor(op, "block_tables", block_tables, dtype=torch.int32, ndim=2, device=dev)
+    if block_tables.shape[0] != R:
+        fail(op, f"block_tables must have R={R} rows, got {block_tables.shape[0]}")
+    kv_lens = tensor(op, "kv_lens", kv_lens, dtype=torch.int32, shape=(R,), device=dev)
+    max_pages = block_tables.shape[1]
+    if dev.type == "cpu" and R > 0:
+        n = cu_q[1:] - cu_q[:-1]
+        if int(cu_q[0]) != 0 or int(cu_q[-1]) != N or int(n.min()) < 0:
+            fail(op, f"cu_q must be non-decreasing from 0 to N={N}, got {cu_q.tolist()}")
+        if bool((kv_lens < n).any()) or int(kv_lens.max()) > max_pages * page_size:
+            fail(op, f"kv_lens must lie in [n_q, max_pages * page_size = {max_pages * page_size}], "
+                     f"got {kv_lens.tolist()} for n_q {n.tolist()}")
+        used = torch.arange(max_pages)[None, :] * page_size < kv_lens[:, None].long()
+        int_range(op, "block_tables (used entries)", block_tables[used], 0, num_pages)
+    scale = float(hd ** -0.5 if scale is None else scale)
+    if be == "reference":
+        return reference.verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens,
+                                          causal, scale)
+    out = torch.empty_like(q)
+    p = _C.VerifyAttentionParams()
+    p.R, p.h_q, p.h_kv, p.head_dim = R, h_q, h_kv, hd
+    p.page_size, p.num_pages, p.max_pages = page_size, num_pages, max_pages
+    p.dtype, p.causal, p.scale = _DTYPE_CODE[fdt], bool(causal), scale
+    p.q, p.cu_q, p.k_cache, p.v_cache = _ptr(q), _ptr(cu_q), _ptr(k_cache), _ptr(v_cache)
+    p.block_tables, p.kv_lens, p.out = _ptr(block_tables), _ptr(kv_lens), _ptr(out)
+    _run("verify_attention", p, be, dev)
+    return out

@@ -1,0 +1,37 @@
+"""Boundary checks for the ops door: every tensor is checked once, by name."""
+import torch
+
+
+class OpError(ValueError):
+    """Bad input to an op; the message names the op and the argument."""
+
+
+def fail(op: str, msg: str):
+    raise OpError(f"{op}: {msg}")
+
+
+def tensor(op, name, t, *, dtype=None, dtypes=None, shape=None, ndim=None, device=None):
+    """Checks a tensor argument and returns it contiguous."""
+    if not isinstance(t, torch.Tensor):
+        fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        fail(op, f"{name} must be {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        fail(op, f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        fail(op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != x for s, x in zip(shape, t.shape)):
+            want = tuple("*" if s is None else s for s in shape)
+            fail(op, f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        fail(op, f"{name} must be on {device}, got {t.device}")
+    return t.contiguous()
+
+
+def int_range(op, name, t, lo, hi):
+    """Values of an integer tensor must lie in [lo, hi). Host tensors only (no device sync)."""
+    if t.device.type == "cpu" and t.numel():
+        mn, mx = int(t.min()), int(t.max())
+        if mn < lo or mx >= hi:
+            fail(op, f"{name} values must lie in [{lo}, {hi}), got range [{mn}, {mx}]")

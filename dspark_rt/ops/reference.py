@@ -1,0 +1,210 @@
+"""Plain PyTorch references: the ground truth that defines every op (DESIGN §2, §5).
+
+The C++ CPU and CUDA kernels must reproduce these: integer outputs exactly, floats within the
+tolerances argued in tests/. Randomness comes from ops/philox.py. Scores that decide a sample
+(z / T + gumbel) are formed in float64 on every backend so that backends agree on the token
+except on float ties of the logits themselves. Argmax ties go to the lowest index.
+"""
+import math
+
+import torch
+
+from . import philox
+
+HEADS = ("none", "vanilla", "gated", "rnn")
+
+
+def _first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim, lowest index among equal maxima (NaN never wins)."""
+    x = torch.nan_to_num(x.to(torch.float64), nan=-math.inf)
+    top = x.max(dim=-1, keepdim=True).values
+    hit = x == top
+    idx = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    return torch.where(hit, idx, x.shape[-1]).min(dim=-1).values
+
+
+def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, gate_b=None,
+                  joint_w=None, joint_b=None, conf_w=None, conf_b=None,
+                  temperature=None, seed=None, stream=None, round_=None):
+    """Sequential drafting stage for R requests (DESIGN §2 steps 2-3).
+
+    logits [R, gamma, V] base logits U (float32/float64; overwritten with z = U + bias);
+    hidden [R, gamma, d]; anchor [R] int64 x0; head in HEADS; w1, w2 [V, r]; gate_w [r, d + r],
+    gate_b [r]; joint_w [3r, 2r + d], joint_b [3r]; conf_w [d] or [d + r], conf_b [1] (None: no
+    confidence head); temperature [R] float32 (0 = greedy); seed [R] int64 (uint64 bits);
+    stream, round_ [R] int64.
+    For k = 1..gamma, with x_{k-1} the previous token (x0 for k = 1):
+        e = w1[x_{k-1}]
+        vanilla: bias = w2 @ e
+        gated:   g = sigmoid(gate_w @ [h_k; e] + gate_b); bias = w2 @ (g * e)
+        rnn:     a = joint_w @ [s; e; h_k] + joint_b split (gate, cand, out) in r-sized thirds;
+                 s <- sigmoid(gate) * s + (1 - sigmoid(gate)) * tanh(cand); bias = w2 @ tanh(out)
+        z_k = U_k + bias; greedy: x_k = argmax z_k; else x_k = argmax(z_k / T + gumbel) with the
+        gumbel of (seed, stream, round, purpose draft, position k, index v).
+        lse_k = logsumexp(z_k / T) (T = 1 when greedy), logprob_k = z_k[x_k] / T - lse_k,
+        conf_k = conf_w . ([h_k; e] if conf_w has d + r entries else h_k) + conf_b.
+    Returns tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma] (float64 iff logits are).
+    """
+    R, gamma, V = logits.shape
+    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dev = logits.device
+    tokens = torch.empty(R, gamma, dtype=torch.int64, device=dev)
+    logprob = torch.empty(R, gamma, dtype=out_dtype, device=dev)
+    lse = torch.empty(R, gamma, dtype=out_dtype, device=dev)
+    conf = torch.zeros(R, gamma, dtype=out_dtype, device=dev)
+    if R == 0 or gamma == 0:
+        return tokens, logprob, lse, conf
+    T = temperature.to(torch.float64)
+    greedy = T == 0
+    Tsafe = torch.where(greedy, torch.ones_like(T), T)
+    rank = w1.shape[1] if w1 is not None else 0
+    state = torch.zeros(R, rank, dtype=logits.dtype, device=dev)
+    prev = anchor.to(torch.int64)
+    vocab = torch.arange(V, device=dev)
+    for k in range(gamma):
+        h = hidden[:, k]
+        e = w1[prev] if w1 is not None else None
+        if head == "none":
+            bias = None
+        elif head == "vanilla":
+            bias = e @ w2.T
+        elif head == "gated":
+            g = torch.sigmoid(torch.cat([h, e], -1) @ gate_w.T + gate_b)
+            bias = (g * e) @ w2.T
+        elif head == "rnn":
+            a = torch.cat([state, e, h], -1) @ joint_w.T + joint_b
+            ga, ca, oa = a.split(rank, dim=-1)
+            sg = torch.sigmoid(ga)
+            state = sg * state + (1 - sg) * torch.tanh(ca)
+            bias = torch.tanh(oa) @ w2.T
+        else:
+            raise ValueError(f"markov_sample: unknown head {head!r}")
+        if bias is not None:
+            logits[:, k] += bias
+        z = logits[:, k]
+        zt = z.to(torch.float64) / Tsafe[:, None]
+        g = philox.gumbel(seed[:, None], stream[:, None], round_[:, None], philox.PURPOSE_DRAFT,
+                          k + 1, vocab[None, :])
+        score = torch.where(greedy[:, None], z.to(torch.float64), zt + g)
+        x = _first_argmax(score)
+        l = torch.logsumexp(zt, dim=-1)
+        tokens[:, k] = x
+        lse[:, k] = l.to(out_dtype)
+        logprob[:, k] = (zt.gather(1, x[:, None])[:, 0] - l).to(out_dtype)
+        if conf_w is not None:
+            inp = torch.cat([h, e], -1) if conf_w.shape[0] != h.shape[-1] else h
+            conf[:, k] = (inp @ conf_w + conf_b).to(out_dtype)
+        prev = x
+    return tokens, logprob, lse, conf
+
+
+def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse,
+                     temperature, seed, stream, round_):
+    """Lossless acceptance for a batch (DESIGN §2 step 6).
+
+    target_logits [N, V]; request r owns rows cu_rows[r] .. cu_rows[r+1]-1 (int32 [R+1]), one per
+    verified position: row k holds the target's logits for the token after chain entry k, so
+    l_r = rows - 1 drafts are checked. draft_tokens [R, gamma] int64; draft_logits [R, gamma, V]
+    (z, before temperature) and draft_lse [R, gamma] (logsumexp(z / T)) give
+    q_k = exp(z_k / T - lse_k). temperature [R] float32, 0 = greedy.
+    Greedy: accept x_k while x_k == argmax(row k-1); y = argmax of the first disagreeing row
+    (or row l). Sampled, P_k = softmax(row_k / T) in float64: accept x_k iff
+    u_k * q_k(x_k) < P_{k-1}(x_k), u_k = uniform(purpose accept, position k, index 0); at the
+    first rejection j emit y = argmax(log max(0, P_{j-1} - q_j) + gumbel(emit, position j, v));
+    if all l are accepted emit y = argmax(row_l / T + gumbel(emit, position l + 1, v)).
+    Returns num_accepted [R] int32 and out_tokens [R, gamma + 1] int64 (x_1..x_a, y, then -1).
+    """
+    R = cu_rows.shape[0] - 1
+    gamma = draft_tokens.shape[1] if draft_tokens is not None else 0
+    dev = target_logits.device
+    V = target_logits.shape[1]
+    num_acc = torch.zeros(R, dtype=torch.int32, device=dev)
+    out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
+    vocab = torch.arange(V, device=dev)
+    for r in range(R):
+        lo, hi = int(cu_rows[r]), int(cu_rows[r + 1])
+        rows = target_logits[lo:hi].to(torch.float64)
+        ell = hi - lo - 1
+        T = float(temperature[r])
+        key = (seed[r], stream[r], round_[r])
+        a, y = 0, None
+        if T == 0:
+            while a < ell and int(draft_tokens[r, a]) == int(_first_argmax(rows[a])):
+                a += 1
+            y = int(_first_argmax(rows[a]))
+        else:
+            P = torch.softmax(rows / T, dim=-1)
+            while a < ell:
+                x = int(draft_tokens[r, a])
+                zt = draft_logits[r, a].to(torch.float64) / T
+                q = torch.exp(zt - float(draft_lse[r, a]))
+                u = float(philox.uniform(*key, philox.PURPOSE_ACCEPT, a + 1, 0))
+                if u * float(q[x]) < float(P[a, x]):
+                    a += 1
+                    continue
+                resid = torch.clamp(P[a] - q, min=0.0)
+                g = philox.gumbel(*key, philox.PURPOSE_EMIT, a + 1, vocab)
+                y = int(_first_argmax(torch.log(resid) + g))
+                break
+            if y is None:
+                g = philox.gumbel(*key, philox.PURPOSE_EMIT, ell + 1, vocab)
+                y = int(_first_argmax(rows[ell] / T + g))
+        num_acc[r] = a
+        if a:
+            out[r, :a] = draft_tokens[r, :a]
+        out[r, a] = y
+    return num_acc, out
+
+
+def prefix_topk(survival, K: int):
+    """Per-request verify lengths of the top-K candidates (DESIGN §4).
+
+    survival [R, gamma] float32 a_{r,j} (NaN counts as -inf). Candidates are ranked by a
+    descending, ties to the lower position j, then to the lower request index r; the K best form
+    the admitted set (K is clamped to [0, R * gamma]). l_r is the longest prefix 1..l of request
+    r's candidates that lies entirely in the admitted set; for survivals non-increasing in j (as
+    cumulative products are) that is simply how many of r's candidates were admitted.
+    Returns lengths [R] int32.
+    """
+    R, gamma = survival.shape
+    K = max(0, min(int(K), R * gamma))
+    a = torch.nan_to_num(survival.to(torch.float64), nan=-math.inf)
+    flat = a.T.reshape(-1)  # j-major: index j * R + r, so a stable sort breaks ties by (j, r)
+    order = torch.sort(flat, descending=True, stable=True).indices[:K]
+    admitted = torch.zeros(gamma * R, dtype=torch.bool, device=survival.device)
+    admitted[order] = True
+    admitted = admitted.view(gamma, R).T  # [R, gamma]
+    return admitted.to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)
+
+
+def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: bool, scale: float):
+    """Ragged attention over a paged KV cache (DESIGN §5).
+
+    q [N, h_q, head_dim]; request r owns rows cu_q[r] .. cu_q[r+1]-1 (int32 [R+1], n_r >= 0).
+    k_cache, v_cache [num_pages, page_size, h_kv, head_dim]; block_tables [R, max_pages] int32;
+    kv_lens [R] int32: keys of request r, its own chain included (n_r <= kv_len_r). Key l of
+    request r lives at page block_tables[r, l // page_size], slot l % page_size. Query head h reads
+    KV head h // (h_q / h_kv). Causal: chain entry i sits at position kv_len - n + i and sees keys
+    0 .. kv_len - n + i; bidirectional: sees all kv_len keys. softmax(scale * q.k) @ v, formed in
+    float64 for float64 inputs and float32 otherwise. Returns out [N, h_q, head_dim] in q's dtype.
+    """
+    N, h_q, hd = q.shape
+    h_kv, ps = k_cache.shape[2], k_cache.shape[1]
+    group = h_q // h_kv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros_like(q)
+    for r in range(cu_q.shape[0] - 1):
+        lo, hi = int(cu_q[r]), int(cu_q[r + 1])
+        n, L = hi - lo, int(kv_lens[r])
+        if n == 0:
+            continue
+        pages = block_tables[r, : (L + ps - 1) // ps].long()
+        k = k_cache[pages].reshape(-1, h_kv, hd)[:L].to(acc).repeat_interleave(group, dim=1)
+        v = v_cache[pages].reshape(-1, h_kv, hd)[:L].to(acc).repeat_interleave(group, dim=1)
+        s = torch.einsum("nhd,lhd->hnl", q[lo:hi].to(acc), k) * scale
+        if causal:
+            qpos = torch.arange(n, device=q.device)[:, None] + (L - n)
+            kpos = torch.arange(L, device=q.device)[None, :]
+            s = s.masked_fill(kpos > qpos, -math.inf)
+        out[lo:hi] = torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    return out
