@@ -1,0 +1,103 @@
+"""Scheduler cost per round (host CPU, µs, median): sync (Algorithm 1, all of it) and async.
+
+Async splits into the critical path (admission: ops.prefix_topk of the current survivals with
+the planned K) and the off-critical-path budget search (plan_budget, run on survivals two
+rounds old). `candidates` (cap / NaN masking, shared by both) is reported on its own.
+
+    python bench/bench_scheduler.py [--json] [--repeats N]
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from dspark_rt import ops  # noqa: E402
+from dspark_rt.env_info import nvml_state  # noqa: E402
+from dspark_rt.schedulers import AsyncScheduler, SyncScheduler, candidates  # noqa: E402
+from dspark_rt.sps import SPSProfile  # noqa: E402
+
+SHAPES = [(R, gamma) for R in (1, 32, 256) for gamma in (7, 16)]
+
+
+def jagged_profile(max_B: int, seed: int = 0) -> SPSProfile:
+    """A plausible measured table: B measured every 16 tokens (step lookup in between), a fixed
+    cost plus one step per 64-token tile, 1 % jitter."""
+    rng = np.random.default_rng(seed)
+    B = np.unique(np.r_[1, np.arange(16, max_B, 16), max_B])
+    seconds = 8e-3 + 2e-4 * np.ceil(B / 64) + 2e-6 * B
+    return SPSProfile(B.tolist(), (1.0 / seconds * (1 + 0.01 * rng.standard_normal(len(B)))).tolist())
+
+
+def median_us(fn, inputs, repeats: int) -> float:
+    for x in inputs[:3]:  # warm-up, excluded
+        fn(*x)
+    times = []
+    for i in range(repeats):
+        x = inputs[i % len(inputs)]
+        t0 = time.perf_counter_ns()
+        fn(*x)
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3
+
+
+def bench_shape(R: int, gamma: int, repeats: int) -> dict:
+    rng = np.random.default_rng(R * 100 + gamma)
+    prof = jagged_profile(R * (gamma + 1))
+    cap = torch.full((R,), gamma, dtype=torch.int64)
+    inputs = []
+    for _ in range(16):  # fresh survivals, cycled
+        c = torch.tensor(rng.beta(4, 1, size=(R, gamma)), dtype=torch.float32)
+        inputs.append((c, torch.cumprod(c, 1), cap, gamma))
+    sync, asy = SyncScheduler(prof), AsyncScheduler(prof)
+    masked = [(candidates(s, k, g),) for _, s, k, g in inputs]
+    K = [asy.plan_budget(a) for (a,) in masked]
+    admit_in = [(a, k) for (a,), k in zip(masked, K)]
+    row = {
+        "R": R, "gamma": gamma,
+        "sync_us": median_us(sync.lengths, inputs, repeats),
+        "async_admit_us": median_us(asy.admit, admit_in, repeats),
+        "async_plan_us": median_us(asy.plan_budget, masked, repeats),
+        "candidates_us": median_us(candidates, [x[1:] for x in inputs], repeats),
+        "async_round_us": median_us(asy.lengths, inputs, repeats),
+        "sync_len_mean": float(np.mean([sync.lengths(*x).float().mean() for x in inputs])),
+        "async_K_mean": float(np.mean(K)),
+    }
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--device", default="cpu", choices=["cpu"],
+                    help="schedulers run on the host; kept for the bench-cpu Makefile loop")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # a scheduler runs on one host thread beside the engine
+    header = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "python": platform.python_version(), "torch": torch.__version__,
+              "prefix_topk_backend": "cpp" if "cpp" in ops.available_backends() else "reference",
+              "gpus": nvml_state(), "repeats": args.repeats, "torch_threads": 1}
+    rows = [bench_shape(R, gamma, args.repeats) for R, gamma in SHAPES]
+    if args.json:
+        print(json.dumps({"header": header, "rows": rows}, indent=1))
+        return
+    print(f"# {header['machine']} ({header['cpus']} CPUs), python {header['python']}, torch "
+          f"{header['torch']}, prefix_topk backend {header['prefix_topk_backend']}, 1 thread, "
+          f"median of {args.repeats}")
+    print(f"{'R':>4} {'gamma':>5} | {'sync':>8} | {'async admit':>11} {'(off-path plan)':>15} "
+          f"| {'masking':>8} {'async round':>11} | {'sync mean l':>11} {'mean K':>7}")
+    for r in rows:
+        print(f"{r['R']:>4} {r['gamma']:>5} | {r['sync_us']:>6.1f}us | {r['async_admit_us']:>9.1f}us "
+              f"{r['async_plan_us']:>13.1f}us | {r['candidates_us']:>6.1f}us {r['async_round_us']:>9.1f}us"
+              f" | {r['sync_len_mean']:>11.2f} {r['async_K_mean']:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()

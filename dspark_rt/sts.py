@@ -1,0 +1,236 @@
+"""Sequential Temperature Scaling: calibrate the confidence head per draft position (DESIGN §4).
+
+Logged rounds give, per round, the raw confidence logits [gamma], how many drafts were verified
+(l) and how many of them were accepted (acc). Position k carries the label 1[acc >= k] ("drafts
+1..k all survived") and is only observed when k <= l; unobserved positions are masked out.
+For k = 1..gamma in order, t_k is the grid point minimising the ECE (equal-width bins) of
+a_k = prod_{i<=k} sigmoid(logit_i / t_i) against that label, with t_1..t_{k-1} already fixed.
+A positive temperature keeps the ranking of each position's logits.
+"""
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .policy import Calibration
+
+FORMAT = "dspark_rt.sts"
+DEFAULT_GRID = np.geomspace(0.05, 20.0, 121)  # ~5 % apart
+_SGLANG_KEYS = ("temperatures", "position_temperatures", "sts_temperatures", "temperature",
+                "per_position_temperatures", "sts")
+
+
+def ece(p: np.ndarray, y: np.ndarray, n_bins: int = 15) -> float:
+    """Expected calibration error: sum over equal-width bins of |mean(p) - mean(y)| * share."""
+    p, y = np.asarray(p, np.float64), np.asarray(y, np.float64)
+    if p.size == 0:
+        return float("nan")
+    return float(_ece_rows(p[None, :], y, n_bins)[0])
+
+
+def _ece_rows(P: np.ndarray, y: np.ndarray, n_bins: int) -> np.ndarray:
+    """ECE of every row of P [G, n] against one label vector y [n] -> [G]."""
+    G, n = P.shape
+    b = np.minimum((P * n_bins).astype(np.int64), n_bins - 1) + np.arange(G)[:, None] * n_bins
+    b = b.ravel()
+    cnt = np.bincount(b, minlength=G * n_bins)
+    sp = np.bincount(b, weights=P.ravel(), minlength=G * n_bins)
+    sy = np.bincount(b, weights=np.broadcast_to(y, P.shape).ravel(), minlength=G * n_bins)
+    return (np.abs(sp - sy).reshape(G, n_bins).sum(axis=1)) / n
+
+
+def auc(p: np.ndarray, y: np.ndarray) -> float:
+    """ROC AUC by ranks (Mann-Whitney U), ties get their average rank; NaN with one class only."""
+    from scipy.stats import rankdata
+    p, y = np.asarray(p, np.float64), np.asarray(y).astype(bool)
+    n1, n0 = int(y.sum()), int((~y).sum())
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    ranks = rankdata(p)
+    return float((ranks[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def brier(p: np.ndarray, y: np.ndarray) -> float:
+    p, y = np.asarray(p, np.float64), np.asarray(y, np.float64)
+    return float(np.mean((p - y) ** 2)) if p.size else float("nan")
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free
+
+
+def _prepare(conf_logits, accepted, verified):
+    z = np.asarray(conf_logits, np.float64)
+    if z.ndim != 2:
+        raise ValueError(f"conf_logits must be [n, gamma], got shape {z.shape}")
+    n, gamma = z.shape
+    acc = np.asarray(accepted, np.int64).reshape(-1)
+    ver = np.asarray(verified, np.int64).reshape(-1)
+    if acc.shape != (n,) or ver.shape != (n,):
+        raise ValueError(f"accepted and verified must be [n={n}], got {acc.shape}, {ver.shape}")
+    if (acc < 0).any() or (acc > ver).any() or (ver > gamma).any():
+        raise ValueError("need 0 <= accepted <= verified <= gamma for every round")
+    k = np.arange(1, gamma + 1)
+    labels = acc[:, None] >= k[None, :]        # [n, gamma]
+    observed = ver[:, None] >= k[None, :]      # [n, gamma]
+    return z, labels, observed
+
+
+def survivals(conf_logits, temperatures) -> np.ndarray:
+    """a [n, gamma] = cumprod(sigmoid(logit_k / t_k)), float64."""
+    z = np.asarray(conf_logits, np.float64)
+    t = np.asarray(temperatures, np.float64)[: z.shape[1]]
+    return np.cumprod(_sigmoid(z / t), axis=1)
+
+
+def _report(a, labels, observed, n_bins):
+    out = []
+    for k in range(a.shape[1]):
+        m = observed[:, k]
+        p, y = a[m, k], labels[m, k]
+        rate = float(y.mean()) if m.any() else float("nan")
+        out.append({"n": int(m.sum()), "positive_rate": rate,
+                    "ece": ece(p, y, n_bins), "auc": auc(p, y), "brier": brier(p, y)})
+    return out
+
+
+@dataclass
+class STSResult:
+    temperatures: list[float]
+    report: list[dict] = field(default_factory=list)  # per position: before/after ECE, AUC, Brier
+    metadata: dict = field(default_factory=dict)
+
+    def calibration(self) -> Calibration:
+        return Calibration(list(self.temperatures))
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        d = {"format": FORMAT, "version": 1, "temperatures": self.temperatures,
+             "report": self.report, "metadata": self.metadata}
+        # NaN (e.g. AUC with one class) is written as null to stay strict JSON
+        path.write_text(json.dumps(_nan_to_none(d), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path) -> "STSResult":
+        d = json.loads(Path(path).read_text())
+        if d.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} file; use read_temperatures for SGLang's")
+        temps = [float(t) for t in d["temperatures"]]
+        return cls(temps, d.get("report", []), d.get("metadata", {}))
+
+
+def _nan_to_none(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+def fit_sts(conf_logits, accepted, verified, *, grid=None, n_bins: int = 15,
+            metadata: dict | None = None) -> STSResult:
+    """Fit t_1..t_gamma left to right (see module docstring).
+
+    conf_logits [n, gamma] raw confidence logits; accepted [n] drafts accepted; verified [n]
+    drafts verified (l). A position with no observed round keeps t = 1.
+    Returns STSResult; .calibration() is the policy.Calibration to run with.
+    """
+    z, labels, observed = _prepare(conf_logits, accepted, verified)
+    grid = DEFAULT_GRID if grid is None else np.asarray(grid, np.float64)
+    n, gamma = z.shape
+    temps = []
+    prefix = np.ones(n)  # prod_{i<k} sigmoid(z_i / t_i) with the fitted t_i
+    for k in range(gamma):
+        m = observed[:, k]
+        if m.any():
+            pre, zk, yk = prefix[m], z[m, k], labels[m, k].astype(np.float64)
+            step = max(1, 2**24 // len(zk))  # grid points per chunk: bounds the [G, n_k] block
+            errs = np.concatenate([
+                _ece_rows(pre[None, :] * _sigmoid(zk[None, :] / g[:, None]), yk, n_bins)
+                for g in np.split(grid, range(step, len(grid), step))])
+            t = float(grid[int(np.argmin(errs))])
+        else:
+            t = 1.0
+        temps.append(t)
+        prefix = prefix * _sigmoid(z[:, k] / t)
+    before = _report(survivals(z, [1.0] * gamma), labels, observed, n_bins)
+    after = _report(survivals(z, temps), labels, observed, n_bins)
+    report = [{"position": k + 1, "n": b["n"], "positive_rate": b["positive_rate"],
+               **{f"{m}_before": b[m] for m in ("ece", "auc", "brier")},
+               **{f"{m}_after": a[m] for m in ("ece", "auc", "brier")}}
+              for k, (b, a) in enumerate(zip(before, after))]
+    meta = {"n_rounds": n, "gamma": gamma, "n_bins": n_bins,
+            "grid": [float(grid[0]), float(grid[-1]), len(grid)], **(metadata or {})}
+    return STSResult(temps, report, meta)
+
+
+def read_temperatures(path) -> Calibration:
+    """Per-position temperatures from our STS JSON or SGLang DSpark's (format assumed, tolerant):
+    a bare list [t_1, ..., t_gamma]; an object with the list under one of _SGLANG_KEYS (searched
+    one level of nesting deep too, e.g. {"calibration": {"temperatures": [...]}}); or an object
+    keyed by position {"1": t_1, "2": t_2, ...} (0- or 1-based, ordered by position)."""
+    temps = _find_temps(json.loads(Path(path).read_text()))
+    if temps is None:
+        raise ValueError(f"{path}: no per-position temperature list found")
+    temps = [float(t) for t in temps]
+    if not temps or not all(math.isfinite(t) and t > 0 for t in temps):
+        raise ValueError(f"{path}: temperatures must be finite and > 0, got {temps}")
+    return Calibration(temps)
+
+
+def _find_temps(d, depth=0):
+    if isinstance(d, list) and all(isinstance(t, (int, float)) for t in d):
+        return d
+    if not isinstance(d, dict) or depth > 2:
+        return None
+    if d and all(str(k).lstrip("-").isdigit() for k in d):
+        return [d[k] for k in sorted(d, key=int)]
+    for k in _SGLANG_KEYS:
+        if k in d and (found := _find_temps(d[k], depth + 1)) is not None:
+            return found
+    for v in d.values():
+        if isinstance(v, dict) and (found := _find_temps(v, depth + 1)) is not None:
+            return found
+    return None
+
+
+def reliability_diagram(conf_logits, accepted, verified, temperatures, path, *,
+                        n_bins: int = 15) -> Path:
+    """One PNG with a panel per position: mean a_k against the accept rate per bin, before
+    (t = 1) and after calibration, with the diagonal. Uses the Agg canvas directly, so no global
+    matplotlib backend is switched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    z, labels, observed = _prepare(conf_logits, accepted, verified)
+    gamma = z.shape[1]
+    curves = {"before": survivals(z, [1.0] * gamma), "after (STS)": survivals(z, temperatures)}
+    cols = min(gamma, 4)
+    rows = -(-gamma // cols)
+    fig = Figure(figsize=(3.2 * cols, 3.0 * rows))
+    FigureCanvasAgg(fig)
+    edges = np.linspace(0, 1, n_bins + 1)
+    for k in range(gamma):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        ax.plot([0, 1], [0, 1], color="0.6", lw=0.8)
+        m = observed[:, k]
+        for name, a in curves.items():
+            p, y = a[m, k], labels[m, k]
+            b = np.clip(np.digitize(p, edges) - 1, 0, n_bins - 1)
+            cnt = np.bincount(b, minlength=n_bins)
+            ok = cnt > 0
+            mp = np.bincount(b, p, n_bins)[ok] / cnt[ok]
+            my = np.bincount(b, y.astype(np.float64), n_bins)[ok] / cnt[ok]
+            ax.plot(mp, my, marker="o", ms=3, label=f"{name} ECE {ece(p, y, n_bins):.3f}")
+        ax.set(title=f"position {k + 1} (n={int(m.sum())})", xlim=(0, 1), ylim=(0, 1),
+               xlabel="predicted survival a_k", ylabel="observed")
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=80)
+    return path
