@@ -10,7 +10,7 @@ struct VerifyAttentionParams {
   int64_t page_size = 0, num_pages = 0, max_pages = 0;  // max_pages: block table row length
   DType dtype = DType::kFloat32;  // q, caches and out
   bool causal = true;             // false: bidirectional within the chain (drafter block)
-  float scale = 1.0f;
+  double scale = 1.0;  // double so float64 attention matches the reference to the last ulp
 
   const void* q = nullptr;             // [N, h_q, head_dim]; request r owns rows cu_q[r] .. cu_q[r+1]-1
   const int32_t* cu_q = nullptr;       // [R + 1]

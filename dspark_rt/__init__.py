@@ -1,0 +1,23 @@
+"""dspark_rt: DSpark speculative decoding runtime.
+
+    from dspark_rt import Decoder, SamplingParams
+    dec = Decoder.from_pretrained("path/to/qwen3", "path/to/dspark-drafter")
+    out = dec.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+"""
+__version__ = "0.1.0"
+
+from .outputs import RequestOutput, SpecMetrics
+from .policy import Calibration, FixedPolicy, ThresholdPolicy, VerifyPolicy
+from .sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # The Decoder pulls in the models; import it lazily so `import dspark_rt` stays light.
+    if name == "Decoder":
+        from .decoder import Decoder
+        return Decoder
+    raise AttributeError(f"module 'dspark_rt' has no attribute {name!r}")
+
+
+__all__ = ["Decoder", "SamplingParams", "RequestOutput", "SpecMetrics", "Calibration",
+           "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "__version__"]

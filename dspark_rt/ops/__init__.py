@@ -35,17 +35,25 @@ def available_backends():
     return out
 
 
-def _backend(op, device: torch.device, backend):
+def _backend(op, device: torch.device, backend, dtype):
+    """The requested backend, or by default the fastest one that takes this device and dtype
+    (a bf16 model on the CPU runs the reference ops: the C++ kernels take float32/float64)."""
     if backend is None:
-        backend = os.environ.get("DSPARK_BACKEND") or ("cuda" if device.type == "cuda" else "cpp")
-        if backend != "reference" and backend not in available_backends():
-            backend = "reference"
+        forced = os.environ.get("DSPARK_BACKEND")
+        if forced:
+            backend = forced
+        else:
+            backend = "cuda" if device.type == "cuda" else "cpp"
+            if backend not in available_backends() or dtype not in _float_dtypes(backend):
+                backend = "reference"
     if backend not in ("reference", "cpp", "cuda"):
         fail(op, f"backend must be 'reference', 'cpp' or 'cuda', got {backend!r}")
     if backend != "reference" and backend not in available_backends():
         fail(op, f"backend {backend!r} is not available in this build ({available_backends()})")
     if (backend == "cuda") != (device.type == "cuda"):
         fail(op, f"backend {backend!r} cannot run tensors on {device}")
+    if dtype is not None and dtype not in _float_dtypes(backend):
+        fail(op, f"dtype {dtype} is not supported by backend {backend!r}")
     return backend
 
 
@@ -82,10 +90,8 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
         fail(op, "logits must be contiguous (it is written in place)")
     R, gamma, V = logits.shape
     dev = logits.device
-    be = _backend(op, dev, backend)
     fdt = logits.dtype
-    if fdt not in _float_dtypes(be):
-        fail(op, f"logits dtype {fdt} is not supported by backend {be!r}")
+    be = _backend(op, dev, backend, fdt)
     hidden = tensor(op, "hidden", hidden, dtype=fdt, ndim=3, device=dev)
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
@@ -151,10 +157,8 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
         fail(op, "target_logits must be a [N, V] tensor")
     dev = target_logits.device
-    be = _backend(op, dev, backend)
     fdt = target_logits.dtype
-    if fdt not in _float_dtypes(be):
-        fail(op, f"target_logits dtype {fdt} is not supported by backend {be!r}")
+    be = _backend(op, dev, backend, fdt)
     target_logits = target_logits.contiguous()
     N, V = target_logits.shape
     cu_rows = tensor(op, "cu_rows", cu_rows, dtype=torch.int32, ndim=1, device=dev)
@@ -205,7 +209,7 @@ def prefix_topk(survival, K: int, *, backend=None):
     if not isinstance(K, int) or K < 0:
         fail(op, f"K must be a non-negative int, got {K!r}")
     dev = survival.device
-    be = _backend(op, dev, backend)
+    be = _backend(op, dev, backend, None)
     if be == "reference":
         return reference.prefix_topk(survival, K)
     R, gamma = survival.shape
@@ -224,10 +228,8 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         fail(op, "q must be a [N, h_q, head_dim] tensor")
     dev = q.device
-    be = _backend(op, dev, backend)
     fdt = q.dtype
-    if fdt not in _float_dtypes(be):
-        fail(op, f"q dtype {fdt} is not supported by backend {be!r}")
+    be = _backend(op, dev, backend, fdt)
     q = q.contiguous()
     N, h_q, hd = q.shape
     k_cache = tensor(op, "k_cache", k_cache, dtype=fdt, ndim=4, device=dev)

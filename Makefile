@@ -1,0 +1,44 @@
+# Two commands do all the set-up on a fresh clone:  make demo  and  make test.
+# Both create (or reuse) the virtual environment $(VENV) and build the extension into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# No GPU here: the CPU build of torch from local disk. With a GPU: the default (CUDA) build.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+DSPARK_CUDA ?= auto
+export DSPARK_CUDA
+DEPS := setuptools wheel pybind11 cmake ninja numpy safetensors tokenizers jinja2 tqdm \
+        pytest hypothesis scipy transformers matplotlib nvidia-ml-py
+SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
+
+.PHONY: test demo build env bench-cpu clean
+
+$(VENV)/.deps: Makefile pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(DEPS)
+	touch $@
+
+$(VENV)/.build-$(DSPARK_CUDA): $(VENV)/.deps $(SOURCES)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	rm -f $(VENV)/.build-*
+	touch $@
+
+build: $(VENV)/.build-$(DSPARK_CUDA)
+
+env: build
+	$(PY) -m dspark_rt env
+
+test: build
+	$(PY) -m dspark_rt env
+	$(PY) -m pytest -q -ra
+
+demo: build
+	$(PY) -m dspark_rt demo $(DEMO_ARGS)
+
+bench-cpu: build
+	for op in markov_sample rejection_sample prefix_topk verify_attention; do \
+	  $(PY) bench/bench_$$op.py --device cpu || exit 1; done
+
+clean:
+	rm -rf build *.egg-info dspark_rt/*.so $(VENV)/.build-*

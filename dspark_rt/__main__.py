@@ -1,0 +1,27 @@
+"""Command line: `python -m dspark_rt env|demo` (also installed as `dspark-rt`)."""
+import argparse
+import sys
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="dspark-rt", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_env = sub.add_parser("env", help="build info (CUDA compiled or not, archs) and GPU/NVML state")
+    p_env.add_argument("--json", action="store_true")
+    p_demo = sub.add_parser("demo", help="ar vs dflash vs dspark on a model pair")
+    p_demo.add_argument("--out", default="out/demo", help="folder for the model pair and results")
+    p_demo.add_argument("--quick", action="store_true", help="fewer prompts and tokens (CI)")
+    p_demo.add_argument("--json", action="store_true", help="print the results as JSON")
+    p_demo.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    if args.cmd == "env":
+        from .env_info import main as env_main
+        env_main(args.json)
+    elif args.cmd == "demo":
+        from .demo import main as demo_main
+        demo_main(args.out, quick=args.quick, as_json=args.json, device=args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

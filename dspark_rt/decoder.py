@@ -1,0 +1,244 @@
+"""The public entry point: Decoder.from_pretrained(target, drafter).generate(prompts, params)."""
+import random
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .models.drafter import Drafter
+from .models.qwen3 import Qwen3Model
+from .outputs import RequestOutput, SpecMetrics
+from .policy import Calibration, make_policy
+from .request import Request
+from .runner import MODES, Runner
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float64": torch.float64, "fp64": torch.float64}
+
+
+def _dtype(dtype, device):
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class Decoder:
+    """DSpark speculative decoding of a target model with a drafter.
+
+    mode: "ar" (target alone), "dflash" (backbone drafts, all verified) or "dspark" (sequential
+    head + confidence-scheduled verification; the default when the drafter has a head).
+    policy: "fixed" | "threshold" | "sync" | "async" | a VerifyPolicy (used in "dspark" mode);
+    "sync" and "async" need sps= (a measured throughput profile). calibration: STS temperatures
+    (a Calibration, a list, or the path of a JSON written by dspark_rt.sts or SGLang).
+    """
+
+    def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
+                 mode=None, policy="fixed", threshold=0.5, sps=None, calibration=None,
+                 page_size=16, seed=0, device="cpu"):
+        self.device = torch.device(device)
+        if mode is None:
+            mode = "ar" if drafter is None else ("dspark" if drafter.head != "none" or drafter.conf_w is not None else "dflash")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        kwargs = {"threshold": threshold} if policy == "threshold" else {}
+        if policy in ("sync", "async"):
+            if sps is None:
+                raise ValueError(f"policy {policy!r} needs sps=: a throughput profile (SPSProfile or "
+                                 "the path of its JSON)")
+            kwargs = {"sps": sps}
+        self.policy = make_policy(policy, **kwargs)
+        if isinstance(calibration, (str, Path)):
+            from .sts import read_temperatures
+            calibration = read_temperatures(calibration)
+        if isinstance(calibration, (list, tuple)):
+            calibration = Calibration(list(calibration))
+        if calibration is not None and not isinstance(calibration, Calibration):
+            raise ValueError(f"calibration must be a Calibration or a list of per-position "
+                             f"temperatures, got {type(calibration).__name__}")
+        self.target, self.drafter, self.tokenizer, self.mode = target, drafter, tokenizer, mode
+        self.runner = Runner(target, drafter, mode, self.policy, calibration, page_size, self.device)
+        self._rng = random.Random(seed)
+        self._seed = seed
+        self._next_id = 0
+        self.max_model_len = target.config.max_position_embeddings
+
+    @classmethod
+    def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):
+        """target: a Hugging Face Qwen3 / Llama folder; drafter: a DeepSpec DSpark/DFlash or
+        z-lab DFlash folder (or None for plain decoding)."""
+        device = torch.device(device)
+        dt = _dtype(dtype, device)
+        tgt = Qwen3Model.from_pretrained(target, dtype=dt, device=device)
+        drf = Drafter.from_pretrained(drafter, tgt, dtype=dt, device=device) if drafter else None
+        tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
+        return cls(tgt, drf, tok, device=device, **kwargs)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _make_request(self, i, prompt, params) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {i}: params must be a SamplingParams, got {type(params).__name__}")
+        V = self.target.config.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {i}: a text prompt needs a tokenizer.json in the target folder")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"request {i}: prompt token ids must lie in [0, {V}), got {bad[:5]}")
+        else:
+            raise ValueError(f"request {i}: prompt must be a str or a list of int token ids")
+        if not ids:
+            raise ValueError(f"request {i}: prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {i}: prompt has {len(ids)} tokens, the model's context is "
+                             f"{self.max_model_len} (max_position_embeddings)")
+        bad = [t for t in params.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"request {i}: stop_token_ids must lie in [0, {V}), got {bad}")
+        if params.seed is not None:
+            seed, stream = params.seed, 0
+        else:
+            seed, stream = self._seed, self._next_id + 1
+        rid = self._next_id
+        self._next_id += 1
+        return Request(rid, text, ids, params, seed, stream, SpecMetrics(self.runner.gamma))
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= set(self.eos_token_ids)
+        return ids
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return list(self.tokenizer.eos_token_ids)
+        eos = self.target.config.eos_token_id
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def _commit(self, req: Request, tokens: list[int], logprobs: list[float] | None):
+        """Appends emitted tokens, honouring stop tokens, stop strings and max_tokens."""
+        stops = self._stop_ids(req.params)
+        for j, t in enumerate(tokens):
+            req.output_ids.append(t)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[j])
+            if t in stops:
+                req.finish_reason = "stop"
+            elif req.remaining <= 0 or req.kv_len + j + 2 >= self.max_model_len:
+                req.finish_reason = "length"
+            if req.params.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output_ids)
+                hit = [text.find(s) for s in req.params.stop if s in text]
+                if hit:
+                    req.text = text[: min(hit)]
+                    req.finish_reason = "stop"
+            if req.finished:
+                return j + 1
+        return len(tokens)
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate(self, prompts, params=None, *, use_tqdm=True) -> list[RequestOutput]:
+        """prompts: a str, a list of str, a list of token ids or a list of token-id lists.
+        params: one SamplingParams for all, or one per prompt. All requests are checked before
+        any work starts, so a bad request costs the others nothing."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        if reqs:
+            self._run(reqs, use_tqdm)
+        return [self._output(r) for r in reqs]
+
+    def chat(self, messages, params=None, **kwargs) -> list[RequestOutput]:
+        """messages: one conversation [{"role", "content"}, ...] or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer in the target folder")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        return self.generate(prompts, params, **kwargs)
+
+    def _run(self, reqs: list[Request], use_tqdm: bool):
+        runner = self.runner
+        runner.reserve(reqs)
+        total = sum(r.params.max_tokens for r in reqs)
+        bar = tqdm(total=total, desc=f"dspark_rt {self.mode}", unit="tok", disable=not use_tqdm)
+        try:
+            logits = runner.prefill(reqs)
+            logits, cu, acc, out = runner.sample_first(reqs, logits)
+            emitted = self._apply(reqs, acc, out, logits, cu, bar)
+            active = [r for r in reqs if not r.finished]
+            while active:
+                acc, out, lengths, logits, cu, feats = runner.step(active)
+                starts = [r.kv_len for r in active]
+                emitted = self._apply(active, acc, out, logits, cu, bar, lengths)
+                # Every request commits its anchor and accepted drafts: positions p .. p + a.
+                keep = [i for i, r in enumerate(active) if not r.finished]
+                runner.commit_context([active[i] for i in keep], [starts[i] for i in keep],
+                                      [emitted[i] for i in keep], feats,
+                                      [int(cu[i]) for i in keep])
+                active = [active[i] for i in keep]
+                if use_tqdm:
+                    bar.set_postfix(tau=f"{self._tau(reqs):.2f}")
+        finally:
+            bar.close()
+            for r in reqs:
+                runner.release(r)
+
+    def _apply(self, reqs, acc, out, logits, cu, bar, lengths=None):
+        """Commits each request's emitted tokens; returns how many positions each committed
+        into the KV cache (anchor + accepted drafts)."""
+        acc, out = acc.tolist(), out.tolist()
+        committed = []
+        for i, r in enumerate(reqs):
+            a = acc[i]
+            toks = out[i][: a + 1]
+            lp = None
+            if r.params.logprobs:
+                rows = torch.log_softmax(logits[int(cu[i]) : int(cu[i]) + a + 1].double(), dim=-1)
+                lp = rows.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
+            if lengths is not None and self.runner.gamma:
+                r.metrics.record(lengths[i], a)
+            n = self._commit(r, toks, lp)
+            bar.update(n)
+            if r.anchor >= 0:  # a decode round: anchor and accepted drafts enter the cache
+                r.kv_len += a + 1
+            r.anchor = toks[-1]
+            r.round += 1
+            committed.append(a + 1)
+        return committed
+
+    @staticmethod
+    def _tau(reqs) -> float:
+        m = SpecMetrics(reqs[0].metrics.gamma)
+        for r in reqs:
+            m.merge(r.metrics)
+        return m.mean_acceptance_length
+
+    def _output(self, r: Request) -> RequestOutput:
+        text = r.text
+        if not text and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, text, list(r.output_ids),
+                             r.finish_reason or "length",
+                             list(r.logprobs) if r.params.logprobs else None, r.metrics)

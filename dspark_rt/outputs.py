@@ -1,0 +1,79 @@
+"""What generate() returns: text, tokens, finish reason, log-probabilities and speculative
+metrics under vLLM's names."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    """Speculative statistics of one request. A round verifies `verified` draft tokens and emits
+    accepted + 1 tokens (the +1 is the target's own token: correction or bonus)."""
+    gamma: int = 0
+    num_rounds: int = 0
+    num_draft_tokens: int = 0      # drafts sent to verification
+    num_accepted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # rounds by accepted count 0..gamma
+    verified_by_position: list[int] = field(default_factory=list)  # rounds that verified position k
+    accepted_by_position: list[int] = field(default_factory=list)  # ... and accepted it
+
+    def __post_init__(self):
+        if not self.acceptance_histogram:
+            self.acceptance_histogram = [0] * (self.gamma + 1)
+            self.verified_by_position = [0] * self.gamma
+            self.accepted_by_position = [0] * self.gamma
+
+    def record(self, verified: int, accepted: int):
+        self.num_rounds += 1
+        self.num_draft_tokens += verified
+        self.num_accepted_tokens += accepted
+        self.acceptance_histogram[accepted] += 1
+        for k in range(verified):
+            self.verified_by_position[k] += 1
+            self.accepted_by_position[k] += k < accepted
+
+    def merge(self, other: "SpecMetrics"):
+        if other.gamma != self.gamma:
+            raise ValueError("cannot merge metrics of different gamma")
+        self.num_rounds += other.num_rounds
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for name in ("acceptance_histogram", "verified_by_position", "accepted_by_position"):
+            mine = getattr(self, name)
+            for i, v in enumerate(getattr(other, name)):
+                mine[i] += v
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per round, the bonus/correction token included (tau)."""
+        return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(position k accepted | position k verified and k-1 accepted), k = 1..gamma."""
+        return [a / v if v else float("nan")
+                for a, v in zip(self.accepted_by_position, self.verified_by_position)]
+
+    def as_dict(self) -> dict:
+        return {
+            "gamma": self.gamma, "num_rounds": self.num_rounds,
+            "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "acceptance_by_position": self.acceptance_by_position,
+        }
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    logprobs: list[float] | None
+    metrics: SpecMetrics

@@ -1,0 +1,57 @@
+"""Per-request sampling parameters, in the shape users know from vLLM."""
+from dataclasses import dataclass, field
+
+_U64 = 1 << 64
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 is greedy. top_k <= 0 and top_p = 1 disable those filters. seed: a request
+    with its own seed draws the same tokens wherever it sits in a batch. stop: strings that end
+    the output (not included in it); stop_token_ids end it after that token. logprobs=True
+    returns the target's log-probability (raw logits, before temperature) of every emitted token.
+    """
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0.0 <= t < float("inf")):
+            bad("temperature", "must be a finite number >= 0")
+        if 0 < t < 1e-3:
+            bad("temperature", "must be 0 (greedy) or at least 1e-3")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must lie in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an int (0 or -1 disables it)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < _U64):
+            bad("seed", "must be None or an int in [0, 2**64)")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an int >= 1")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative ints")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+        if not isinstance(self.logprobs, bool):
+            bad("logprobs", "must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
