@@ -71,6 +71,8 @@ class Decoder:
         self._rng = random.Random(seed)
         self._seed = seed
         self._next_id = 0
+        # Set to a list to record every round (calibration and diagnostics read it).
+        self.round_log: list[dict] | None = None
         self.max_model_len = target.config.max_position_embeddings
 
     @classmethod
@@ -189,13 +191,17 @@ class Decoder:
             emitted = self._apply(reqs, acc, out, logits, cu, bar)
             active = [r for r in reqs if not r.finished]
             while active:
-                acc, out, lengths, logits, cu, feats = runner.step(active)
+                res = runner.step(active)
                 starts = [r.kv_len for r in active]
-                emitted = self._apply(active, acc, out, logits, cu, bar, lengths)
+                if self.round_log is not None:
+                    self.round_log.append(self._log_entry(active, res))
+                cu = res.cu_rows
+                emitted = self._apply(active, res.num_accepted, res.out_tokens, res.logits, cu,
+                                      bar, res.lengths)
                 # Every request commits its anchor and accepted drafts: positions p .. p + a.
                 keep = [i for i, r in enumerate(active) if not r.finished]
                 runner.commit_context([active[i] for i in keep], [starts[i] for i in keep],
-                                      [emitted[i] for i in keep], feats,
+                                      [emitted[i] for i in keep], res.features,
                                       [int(cu[i]) for i in keep])
                 active = [active[i] for i in keep]
                 if use_tqdm:
@@ -227,6 +233,13 @@ class Decoder:
             r.round += 1
             committed.append(a + 1)
         return committed
+
+    @staticmethod
+    def _log_entry(reqs, res) -> dict:
+        return {"request_ids": [r.request_id for r in reqs],
+                "lengths": list(res.lengths),
+                "accepted": res.num_accepted.tolist(),
+                "conf_logit": None if res.conf_logit is None else res.conf_logit.float().cpu()}
 
     @staticmethod
     def _tau(reqs) -> float:

@@ -4,6 +4,8 @@ Modes share this code: "ar" verifies only the anchor (plain decoding), "dflash" 
 backbone alone and verifies every draft, "dspark" adds the sequential head, the confidence head
 and a verify-length policy.
 """
+from dataclasses import dataclass
+
 import torch
 
 from . import ops
@@ -14,6 +16,18 @@ from .policy import Calibration, FixedPolicy, VerifyPolicy
 from .request import Request
 
 MODES = ("ar", "dflash", "dspark")
+
+
+@dataclass
+class RoundResult:
+    """What one round produced, for commit and for logging (calibration, diagnostics)."""
+    num_accepted: torch.Tensor  # [R] int32
+    out_tokens: torch.Tensor    # [R, gamma + 1] int64, -1 padded
+    lengths: list[int]          # verified drafts per request
+    logits: torch.Tensor        # [N, V] target logits of the verify forward
+    cu_rows: torch.Tensor       # [R + 1] int32 rows of each request in logits / features
+    features: torch.Tensor | None  # [N, m * d] target features for the drafter context
+    conf_logit: torch.Tensor | None  # [R, gamma] raw confidence logits (dspark with a head)
 
 
 class Runner:
@@ -183,9 +197,8 @@ class Runner:
         acc, out = ops.rejection_sample(logits, cu, None, None, None, **self._rng(reqs))
         return logits, cu, acc, out
 
-    def step(self, reqs: list[Request]):
-        """One round for requests whose anchor is set. Returns (num_accepted [R], out_tokens
-        [R, gamma+1], lengths [R], target logits [N, V], cu_rows [R+1], features or None)."""
+    def step(self, reqs: list[Request]) -> RoundResult:
+        """One round for requests whose anchor is set."""
         R, gamma = len(reqs), self.gamma
         if gamma:
             tokens, z, lse, conf = self.draft(reqs)
@@ -201,7 +214,7 @@ class Runner:
             lengths = lengths.tolist()
             chains = [[r.anchor] + tokens[i, : lengths[i]].tolist() for i, r in enumerate(reqs)]
         else:
-            tokens = z = lse = None
+            tokens = z = lse = conf = None
             lengths = [0] * R
             chains = [[r.anchor] for r in reqs]
         counts = [len(c) for c in chains]
@@ -212,7 +225,8 @@ class Runner:
         logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture)
         logits = self._filter(reqs, logits.to(self.logits_dtype), meta.cu_q)
         acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **self._rng(reqs))
-        return acc, out, lengths, logits, meta.cu_q, feats
+        has_conf = self.mode == "dspark" and self.drafter.conf_w is not None
+        return RoundResult(acc, out, lengths, logits, meta.cu_q, feats, conf if has_conf else None)
 
     def commit_context(self, reqs, starts, counts, feats, row_starts):
         """After commit: drafter context for the anchor and accepted drafts of each request."""
