@@ -1,6 +1,13 @@
-"""Command line: `python -m dspark_rt env|demo` (also installed as `dspark-rt`)."""
+"""Command line: `python -m dspark_rt env|demo|calibrate|profile|eval` (also installed as
+`dspark-rt`)."""
 import argparse
+import importlib
 import sys
+
+# Subcommands whose arguments their own module parses (imported only when run).
+TOOLS = {"calibrate": ("calibrate", "fit STS temperatures of a drafter's confidence head"),
+         "profile": ("profiling", "measure this machine's throughput profile SPS(B)"),
+         "eval": ("evaluate", "tau, acceptance, verify lengths, tokens/s and calibration")}
 
 
 def main(argv=None):
@@ -13,7 +20,13 @@ def main(argv=None):
     p_demo.add_argument("--quick", action="store_true", help="fewer prompts and tokens (CI)")
     p_demo.add_argument("--json", action="store_true", help="print the results as JSON")
     p_demo.add_argument("--device", default="cpu")
-    args = ap.parse_args(argv)
+    for name, (_, text) in TOOLS.items():
+        sub.add_parser(name, help=text + " (see --help)", add_help=False)
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd in TOOLS:
+        return importlib.import_module(f".{TOOLS[args.cmd][0]}", __package__).main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "env":
         from .env_info import main as env_main
         env_main(args.json)
