@@ -34,7 +34,9 @@ DSPARK_HD void PhiloxMulHiLo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo)
 DSPARK_HD void Philox4x32x10(uint32_t c[4], uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#if defined(__CUDACC__)
 #pragma unroll
+#endif
   for (int i = 0; i < 10; ++i) {
     uint32_t hi0, lo0, hi1, lo1;
     PhiloxMulHiLo(kM0, c[0], &hi0, &lo0);

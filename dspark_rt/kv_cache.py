@@ -5,6 +5,8 @@ page_size], offset l % page_size (the layout ops.verify_attention reads).
 """
 import torch
 
+from . import ops
+
 __all__ = ["PagedKVCache", "PageAllocator", "KVCacheError"]
 
 
@@ -45,9 +47,7 @@ class PagedKVCache:
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise KVCacheError(f"PagedKVCache.write: k and v must be {want}, got {tuple(k.shape)} "
                                f"and {tuple(v.shape)}")
-        slots = slot_mapping.to(torch.int64)
-        self.k_all[layer].view(-1, self.h_kv, self.head_dim)[slots] = k.to(self.dtype)
-        self.v_all[layer].view(-1, self.h_kv, self.head_dim)[slots] = v.to(self.dtype)
+        ops.append_kv(k, v, self.k_all[layer], self.v_all[layer], slot_mapping.to(torch.int64))
 
     def fill_(self, value: float):
         """Poisons every slot (tests fill with NaN to catch reads of slots nobody wrote)."""

@@ -17,7 +17,8 @@ try:
 except ImportError:  # the package can be imported (and tested) without the extension
     _C = None
 
-__all__ = ["markov_sample", "rejection_sample", "prefix_topk", "verify_attention", "OpError",
+__all__ = ["markov_sample", "rejection_sample", "prefix_topk", "verify_attention", "append_kv",
+           "OpError",
            "available_backends", "HEADS"]
 
 HEADS = reference.HEADS
@@ -35,7 +36,7 @@ def available_backends():
     return out
 
 
-def _backend(op, device: torch.device, backend, dtype):
+def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
     """The requested backend, or by default the fastest one that takes this device and dtype
     (a bf16 model on the CPU runs the reference ops: the C++ kernels take float32/float64)."""
     if backend is None:
@@ -50,10 +51,11 @@ def _backend(op, device: torch.device, backend, dtype):
         fail(op, f"backend must be 'reference', 'cpp' or 'cuda', got {backend!r}")
     if backend != "reference" and backend not in available_backends():
         fail(op, f"backend {backend!r} is not available in this build ({available_backends()})")
-    if (backend == "cuda") != (device.type == "cuda"):
+    if backend != "reference" and (backend == "cuda") != (device.type == "cuda"):
         fail(op, f"backend {backend!r} cannot run tensors on {device}")
     if dtype is not None and dtype not in _float_dtypes(backend):
-        fail(op, f"dtype {dtype} is not supported by backend {backend!r}")
+        fail(op, f"{arg} dtype {dtype} is not supported by backend {backend!r} "
+                 f"(it takes {[str(d) for d in _float_dtypes(backend)]})")
     return backend
 
 
@@ -91,7 +93,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     R, gamma, V = logits.shape
     dev = logits.device
     fdt = logits.dtype
-    be = _backend(op, dev, backend, fdt)
+    be = _backend(op, dev, backend, fdt, "logits")
     hidden = tensor(op, "hidden", hidden, dtype=fdt, ndim=3, device=dev)
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
@@ -158,7 +160,7 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
         fail(op, "target_logits must be a [N, V] tensor")
     dev = target_logits.device
     fdt = target_logits.dtype
-    be = _backend(op, dev, backend, fdt)
+    be = _backend(op, dev, backend, fdt, "target_logits")
     target_logits = target_logits.contiguous()
     N, V = target_logits.shape
     cu_rows = tensor(op, "cu_rows", cu_rows, dtype=torch.int32, ndim=1, device=dev)
@@ -229,7 +231,7 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
         fail(op, "q must be a [N, h_q, head_dim] tensor")
     dev = q.device
     fdt = q.dtype
-    be = _backend(op, dev, backend, fdt)
+    be = _backend(op, dev, backend, fdt, "q")
     q = q.contiguous()
     N, h_q, hd = q.shape
     k_cache = tensor(op, "k_cache", k_cache, dtype=fdt, ndim=4, device=dev)
@@ -267,3 +269,30 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     p.block_tables, p.kv_lens, p.out = _ptr(block_tables), _ptr(kv_lens), _ptr(out)
     _run("verify_attention", p, be, dev)
     return out
+
+
+def append_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None):
+    """Writes k, v [N, h_kv, head_dim] into k_cache, v_cache [num_pages, page_size, h_kv,
+    head_dim] at slot_mapping [N] int64 (page * page_size + offset; -1 = padding, not written),
+    in place; see reference.append_kv. The caches must be contiguous (they are written)."""
+    op = "append_kv"
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4 or not c.is_contiguous():
+            fail(op, f"{name} must be a contiguous [num_pages, page_size, h_kv, head_dim] tensor")
+    dev, fdt = k_cache.device, k_cache.dtype
+    be = _backend(op, dev, backend, None)
+    num_pages, page_size, h_kv, hd = k_cache.shape
+    tensor(op, "v_cache", v_cache, dtype=fdt, shape=tuple(k_cache.shape), device=dev)
+    slot_mapping = tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=dev)
+    N = slot_mapping.shape[0]
+    k = tensor(op, "k", k, shape=(N, h_kv, hd), device=dev).to(fdt)
+    v = tensor(op, "v", v, shape=(N, h_kv, hd), device=dev).to(fdt)
+    int_range(op, "slot_mapping", slot_mapping, -1, num_pages * page_size)
+    if be == "reference":
+        return reference.append_kv(k, v, k_cache, v_cache, slot_mapping)
+    p = _C.AppendKvParams()
+    p.N, p.h_kv, p.head_dim, p.page_size, p.num_pages = N, h_kv, hd, page_size, num_pages
+    p.dtype = _DTYPE_CODE[fdt]
+    p.k, p.v, p.k_cache, p.v_cache = _ptr(k), _ptr(v), _ptr(k_cache), _ptr(v_cache)
+    p.slot_mapping = _ptr(slot_mapping)
+    _run("append_kv", p, be, dev)

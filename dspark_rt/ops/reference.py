@@ -208,3 +208,15 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: b
             s = s.masked_fill(kpos > qpos, -math.inf)
         out[lo:hi] = torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=-1), v).to(q.dtype)
     return out
+
+
+def append_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Writes new tokens' K/V into their cache slots, in place (DESIGN §5).
+
+    k, v [N, h_kv, head_dim]; k_cache, v_cache [num_pages, page_size, h_kv, head_dim];
+    slot_mapping [N] int64: slot page * page_size + offset of token n; a negative slot marks a
+    padding token that is not written."""
+    ok = slot_mapping >= 0
+    h_kv, hd = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, h_kv, hd)[slot_mapping[ok]] = k[ok].to(k_cache.dtype)
+    v_cache.view(-1, h_kv, hd)[slot_mapping[ok]] = v[ok].to(v_cache.dtype)

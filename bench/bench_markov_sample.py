@@ -1,0 +1,61 @@
+"""markov_sample (the sequential drafting stage): C++/CUDA kernel vs the eager PyTorch reference.
+
+    python bench/bench_markov_sample.py [--device cpu|cuda] [--json PATH] [--quick]
+
+Shapes: CUDA V=151936, r=256, d=4096, gamma in {7, 16}, R in {1, 32, 256}, bf16 weights;
+CPU (scaled down, the reference is slow) V=32000, r=64, d=256, gamma=7, R in {1, 8}, float32.
+Vanilla head, Markov confidence feature, sampled rows (T in (0.3, 2)).
+Bytes: logits read and written (R gamma V), w2 swept once per step for the whole batch
+(gamma V r), w1 rows, hidden, confidence weights, outputs. FLOPs: 2 R gamma V r (projection).
+"""
+import torch
+
+from timing import Report, backend_for, median_us, parse_args  # puts the repo on sys.path
+
+import op_cases as oc  # noqa: E402  (tests/op_cases.py: benchmarked inputs are tested inputs)
+from dspark_rt import ops  # noqa: E402
+
+
+def shapes(cuda: bool, quick: bool):
+    if cuda:
+        V, r, d, grid = 151936, 256, 4096, [(R, g) for g in (7, 16) for R in (1, 32, 256)]
+    else:
+        V, r, d, grid = 32000, 64, 256, [(1, 7), (8, 7)]
+    return V, r, d, grid[:2] if quick else grid
+
+
+def main():
+    args = parse_args(__doc__)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    be = backend_for(dev)
+    rep = Report("markov_sample", dev, dtype, args)
+    V, r, d, grid = shapes(cuda, args.quick)
+    s = torch.finfo(dtype).bits // 8
+    for R, G in grid:
+        case = oc.MarkovCase(R, G, V, "vanilla", rank=r, d=d, conf="markov", temps="sampled")
+        kw = oc.markov_inputs(case, dev, dtype, gen_device=dev)
+        U0 = kw.pop("logits")
+        logits = U0.clone()
+        hidden, anchor, head = kw.pop("hidden"), kw.pop("anchor"), kw.pop("head")
+        run = lambda backend: ops.markov_sample(logits, hidden, anchor, head, backend=backend, **kw)
+        restore = lambda: logits.copy_(U0)
+        # Benchmarked inputs are checked inputs: the tokens must be the reference's.
+        restore()
+        ours = run(be)[0].clone()
+        restore()
+        ref = run("reference")[0]
+        match = float((ours == ref).double().mean())
+        us = median_us(lambda: run(be), dev, setup=restore)
+        ref_us = median_us(lambda: run("reference"), dev, setup=restore, warmup=1, runs=5)
+        nbytes = s * (2 * R * G * V + G * V * r + R * G * (2 * r + d) + d + r) + 8 * 4 * R * G
+        rep.add(f"R={R} gamma={G} V={V} r={r}", us, ref_us, nbytes, 2 * R * G * V * r,
+                tokens_match=match)
+        if match < 1:
+            print(f"  WARNING: {100 * (1 - match):.2f}% of tokens differ from the reference")
+    rep.finish()
+
+
+if __name__ == "__main__":
+    main()

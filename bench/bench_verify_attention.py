@@ -1,0 +1,47 @@
+"""verify_attention (ragged paged attention of verify chains): kernel vs the eager reference.
+
+    python bench/bench_verify_attention.py [--device cpu|cuda] [--json PATH] [--quick]
+
+Shapes: CUDA 32 query / 8 KV heads, head_dim 128, bf16, context 1k/4k/32k, R in {1, 32, 128};
+CPU (scaled down) 8 / 2 heads, head_dim 64, float32, context 256/1024, R in {1, 8}. Chains of 8
+queries, causal, page size 16, permuted block tables. Bytes: each request's K and V read once
+plus q and out. FLOPs: 4 h_q head_dim per (query, visible key).
+"""
+import torch
+
+from timing import Report, backend_for, median_us, parse_args  # puts the repo on sys.path
+
+import op_cases as oc  # noqa: E402  (tests/op_cases.py: benchmarked inputs are tested inputs)
+from dspark_rt import ops  # noqa: E402
+
+
+def main():
+    args = parse_args(__doc__)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    be = backend_for(dev)
+    rep = Report("verify_attention", dev, dtype, args)
+    if cuda:
+        h_q, h_kv, hd, grid = 32, 8, 128, [(R, c) for c in (1024, 4096, 32768) for R in (1, 32, 128)]
+    else:
+        h_q, h_kv, hd, grid = 8, 2, 64, [(R, c) for c in (256, 1024) for R in (1, 8)]
+    n, s = 8, torch.finfo(dtype).bits // 8
+    for R, ctx in grid[:2] if args.quick else grid:
+        case = oc.AttentionCase((n,) * R, (ctx,) * R, h_q, h_kv, hd, 16, extra_pages=0)
+        kw = oc.attention_inputs(case, dev, dtype, gen_device=dev)
+        args_ = [kw.pop(k) for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")]
+        run = lambda backend: ops.verify_attention(*args_, backend=backend, **kw)
+        err = float((run(be).float() - run("reference").float()).abs().max())
+        us = median_us(lambda: run(be), dev)
+        ref_us = median_us(lambda: run("reference"), dev, warmup=1, runs=5)
+        L = ctx + n
+        nbytes = R * (2 * L * h_kv * hd * s + 2 * n * h_q * hd * s + 4 * (L // 16 + 1))
+        flops = R * sum(4 * h_q * hd * (L - n + i + 1) for i in range(n))
+        rep.add(f"R={R} ctx={ctx} h={h_q}/{h_kv} hd={hd}", us, ref_us, nbytes, flops,
+                max_abs_err_vs_ref=err)
+    rep.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+// markov_sample on the CPU: the sequential drafting stage (reference.py::markov_sample).
+//
+// Per step k, for all requests at once:
+//   1. head step (per request): e = w1[x_{k-1}], the rank-vector u the head projects
+//      (e, g * e or tanh(o)), the RNN state update and the confidence logit;
+//   2. one sweep over V in fixed slices of kSlice rows of w2: for every request of the batch,
+//      z[v] = U[v] + dot(w2[v, :], u) is written back, and the same pass keeps the slice's
+//      log-sum-exp partial of z / T and its argmax of z / T + gumbel (or of z when greedy);
+//      each w2 slice is read once per step for the whole batch and nothing of size V x rank
+//      is materialised;
+//   3. per request, the slice partials merge in slice order (thread-count independent) into
+//      x_k, lse_k and logprob_k.
+// Dot products accumulate in T: for float32 the reference itself forms the bias with a float32
+// GEMM, so a double accumulator would not bring the two closer than their float32 rounding;
+// float64 accumulates in double.
+#include <algorithm>
+#include <vector>
+
+#include "cpu/kernel_util.h"
+#include "markov_sample.h"
+
+namespace dspark {
+namespace {
+using namespace cpu;
+
+constexpr int64_t kSlice = 512;  // V rows of w2 per work item (a multiple of 4: Philox blocks)
+
+template <class T>
+struct Ctx {
+  const MarkovSampleParams& p;
+  T* logits;
+  const T *hidden, *w1, *w2, *gate_w, *gate_b, *joint_w, *joint_b, *conf_w, *conf_b;
+  std::vector<int64_t> prev;  // [R] x_{k-1}
+  std::vector<T> proj;        // [R, rank] the vector w2 projects this step
+  std::vector<T> state;       // [R, rank] RNN state
+  std::vector<T> gates;       // [R, 3 rank] RNN pre-activations
+  std::vector<LsePart> lse;   // [R, n_slices]
+  std::vector<ArgPart> arg;   // [R, n_slices]
+  int64_t n_slices = 0;
+
+  explicit Ctx(const MarkovSampleParams& q) : p(q) {}
+  PhiloxKey Key(int64_t r) const {
+    return PhiloxKey{p.seed[r], static_cast<uint32_t>(p.stream[r]),
+                     static_cast<uint32_t>(p.round[r])};
+  }
+  double Temp(int64_t r) const {  // 1 for greedy rows, as the reference's Tsafe
+    const double t = static_cast<double>(p.temperature[r]);
+    return t == 0.0 ? 1.0 : t;
+  }
+};
+
+// Step 1 for request r at step k.
+template <class T>
+DSPARK_ALWAYS_INLINE void HeadStepImpl(Ctx<T>& c, int64_t r, int64_t k) {
+  const MarkovSampleParams& p = c.p;
+  const int64_t rank = p.rank, d = p.d;
+  const T* h = c.hidden + (r * p.gamma + k) * d;
+  const T* e = c.w1 ? c.w1 + c.prev[r] * rank : nullptr;
+  T* u = c.proj.data() + r * rank;
+  switch (p.head) {
+    case MarkovHead::kNone:
+      break;
+    case MarkovHead::kVanilla:
+      std::copy(e, e + rank, u);
+      break;
+    case MarkovHead::kGated:  // g = sigmoid(gate_w [h; e] + gate_b); u = g * e
+      for (int64_t i = 0; i < rank; ++i) {
+        const T* row = c.gate_w + i * (d + rank);
+        const T a = Dot(row, h, d) + Dot(row + d, e, rank) + c.gate_b[i];
+        u[i] = Sigmoid(a) * e[i];
+      }
+      break;
+    case MarkovHead::kRnn: {  // a = joint_w [s; e; h] + joint_b = (gate, cand, out)
+      T* s = c.state.data() + r * rank;
+      T* a = c.gates.data() + r * 3 * rank;
+      for (int64_t i = 0; i < 3 * rank; ++i) {
+        const T* row = c.joint_w + i * (2 * rank + d);
+        a[i] = Dot(row, s, rank) + Dot(row + rank, e, rank) + Dot(row + 2 * rank, h, d) +
+               c.joint_b[i];
+      }
+      for (int64_t i = 0; i < rank; ++i) {  // every a[] used the old state; update it now
+        const T sg = Sigmoid(a[i]);
+        s[i] = sg * s[i] + (T(1) - sg) * std::tanh(a[rank + i]);
+        u[i] = std::tanh(a[2 * rank + i]);
+      }
+      break;
+    }
+  }
+  if (p.confidence) {
+    T cl = Dot(c.conf_w, h, d) + c.conf_b[0];
+    if (p.confidence_markov) cl += Dot(c.conf_w + d, e, rank);
+    static_cast<T*>(p.conf_logit)[r * p.gamma + k] = cl;
+  }
+}
+
+// Step 2 for slice `sl` of V at step k, all requests.
+template <class T>
+DSPARK_ALWAYS_INLINE void SliceImpl(Ctx<T>& c, int64_t sl, int64_t k) {
+  const MarkovSampleParams& p = c.p;
+  const int64_t v0 = sl * kSlice, n = std::min(kSlice, p.V - v0), rank = p.rank;
+  const bool bias = p.head != MarkovHead::kNone;
+  double zt[kSlice], w[kSlice];
+  for (int64_t r = 0; r < p.R; ++r) {
+    T* z = c.logits + (r * p.gamma + k) * p.V + v0;
+    const T* u = c.proj.data() + r * rank;
+    if (bias) {
+      const T* w2 = c.w2 + v0 * rank;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        T b[8];
+        DotRows8(w2 + j * rank, rank, u, rank, b);
+        for (int l = 0; l < 8; ++l) z[j + l] = z[j + l] + b[l];
+      }
+      for (; j < n; ++j) z[j] = z[j] + Dot(w2 + j * rank, u, rank);
+    }
+    const bool greedy = p.temperature[r] == 0.0f;
+    // z / T in double by division, exactly as the reference forms it (scores must agree).
+    const double t = c.Temp(r);
+    for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(z[j]) / t;
+    const LsePart part = LseSlice(zt, n, w);
+    ArgPart best;
+    if (greedy) {
+      for (int64_t j = 0; j < n; ++j) best.Offer(zt[j], v0 + j);
+    } else {
+      GumbelArgmax(c.Key(r), kPurposeDraft, static_cast<uint32_t>(k + 1), v0, n, w, part.m,
+                   [&](int64_t j) { return zt[j]; }, best);
+    }
+    c.lse[r * c.n_slices + sl] = part;
+    c.arg[r * c.n_slices + sl] = best;
+  }
+}
+
+DSPARK_CPU_CLONES void HeadStep(Ctx<float>& c, int64_t r, int64_t k) { HeadStepImpl(c, r, k); }
+DSPARK_CPU_CLONES void HeadStep(Ctx<double>& c, int64_t r, int64_t k) { HeadStepImpl(c, r, k); }
+DSPARK_CPU_CLONES void Slice(Ctx<float>& c, int64_t sl, int64_t k) { SliceImpl(c, sl, k); }
+DSPARK_CPU_CLONES void Slice(Ctx<double>& c, int64_t sl, int64_t k) { SliceImpl(c, sl, k); }
+
+template <class T>
+Status Run(const MarkovSampleParams& p) {
+  Ctx<T> c(p);
+  c.logits = static_cast<T*>(p.logits);
+  c.hidden = static_cast<const T*>(p.hidden);
+  c.w1 = static_cast<const T*>(p.w1);
+  c.w2 = static_cast<const T*>(p.w2);
+  c.gate_w = static_cast<const T*>(p.gate_w);
+  c.gate_b = static_cast<const T*>(p.gate_b);
+  c.joint_w = static_cast<const T*>(p.joint_w);
+  c.joint_b = static_cast<const T*>(p.joint_b);
+  c.conf_w = static_cast<const T*>(p.conf_w);
+  c.conf_b = static_cast<const T*>(p.conf_b);
+  const int64_t R = p.R, rank = p.rank;
+  c.prev.assign(p.anchor, p.anchor + R);
+  c.proj.assign(R * rank, T(0));
+  c.state.assign(p.head == MarkovHead::kRnn ? R * rank : 0, T(0));
+  c.gates.assign(p.head == MarkovHead::kRnn ? R * 3 * rank : 0, T(0));
+  c.n_slices = (p.V + kSlice - 1) / kSlice;
+  c.lse.resize(R * c.n_slices);
+  c.arg.resize(R * c.n_slices);
+  T* logprob = static_cast<T*>(p.logprob);
+  T* lse = static_cast<T*>(p.lse);
+  T* conf = static_cast<T*>(p.conf_logit);
+  if (!p.confidence) std::fill(conf, conf + R * p.gamma, T(0));
+
+  int64_t head_work = 0;  // multiply-adds of one head step, to decide whether to fan out
+  if (p.head == MarkovHead::kGated) head_work = rank * (p.d + rank);
+  if (p.head == MarkovHead::kRnn) head_work = 3 * rank * (2 * rank + p.d);
+  const bool par_slices = R * p.V * std::max<int64_t>(rank, 8) > (1 << 16);
+  for (int64_t k = 0; k < p.gamma; ++k) {
+    ParallelFor(R, R * head_work > (1 << 16), [&](int64_t r) { HeadStep(c, r, k); });
+    ParallelFor(c.n_slices, par_slices, [&](int64_t sl) { Slice(c, sl, k); });
+    for (int64_t r = 0; r < R; ++r) {
+      LsePart l;
+      ArgPart a;
+      for (int64_t sl = 0; sl < c.n_slices; ++sl) {
+        l.Merge(c.lse[r * c.n_slices + sl]);
+        a.Merge(c.arg[r * c.n_slices + sl]);
+      }
+      const int64_t x = a.Index();
+      const double lv = l.Value();
+      const double zx = static_cast<double>(c.logits[(r * p.gamma + k) * p.V + x]) / c.Temp(r);
+      p.tokens[r * p.gamma + k] = x;
+      lse[r * p.gamma + k] = static_cast<T>(lv);
+      logprob[r * p.gamma + k] = static_cast<T>(zx - lv);
+      c.prev[r] = x;
+    }
+  }
+  return Status::kOk;
+}
+
+Status Validate(const MarkovSampleParams& p) {
+  if (p.R < 0 || p.gamma < 0 || p.V < 0 || p.rank < 0 || p.d < 0) return Status::kBadArgument;
+  const int head = static_cast<int>(p.head);
+  if (head < 0 || head > static_cast<int>(MarkovHead::kRnn)) return Status::kBadArgument;
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat64) return Status::kUnsupported;
+  if (p.out_dtype != p.dtype) return Status::kBadArgument;  // float64 iff dtype is float64
+  if (p.R == 0 || p.gamma == 0) return Status::kOk;
+  if (p.V < 1 || !p.logits || !p.anchor || !p.temperature || !p.seed || !p.stream || !p.round ||
+      !p.tokens || !p.logprob || !p.lse || !p.conf_logit || (p.d > 0 && !p.hidden)) {
+    return Status::kBadArgument;
+  }
+  const bool needs_w = p.head != MarkovHead::kNone || p.confidence_markov;
+  if (needs_w && (p.rank < 1 || !p.w1 || !p.w2)) return Status::kBadArgument;
+  if (p.head == MarkovHead::kGated && (!p.gate_w || !p.gate_b)) return Status::kBadArgument;
+  if (p.head == MarkovHead::kRnn && (!p.joint_w || !p.joint_b)) return Status::kBadArgument;
+  if (p.confidence && (!p.conf_b || (!p.conf_w && p.d + (p.confidence_markov ? p.rank : 0) > 0))) {
+    return Status::kBadArgument;
+  }
+  if (p.confidence_markov && !p.confidence) return Status::kBadArgument;
+  for (int64_t r = 0; r < p.R; ++r) {
+    if (p.anchor[r] < 0 || p.anchor[r] >= p.V) return Status::kBadArgument;
+  }
+  return Status::kOk;
+}
+
+}  // namespace
+
+Status MarkovSampleCpu(const MarkovSampleParams& p) {
+  const Status s = Validate(p);
+  if (s != Status::kOk || p.R == 0 || p.gamma == 0) return s;
+  // Without a head and without the Markov confidence feature, w1 (if passed) is never read.
+  MarkovSampleParams q = p;
+  if (q.head == MarkovHead::kNone && !q.confidence_markov) q.rank = 0;
+  return p.dtype == DType::kFloat64 ? Run<double>(q) : Run<float>(q);
+}
+
+}  // namespace dspark

@@ -1,0 +1,162 @@
+// rejection_sample on the CPU: lossless acceptance for a batch (reference.py::rejection_sample).
+//
+// One request per work item. Nothing of size V is materialised: row k's softmax is known
+// through its log-sum-exp alone (one pass), P_k(x) and q_k(x) are single exps, and only the
+// final emit makes one more pass over V (the residual max(0, P - q), or the bonus row) with
+// the pruned Gumbel-max scan of kernel_util.h. All scores are float64, like the reference's.
+#include <algorithm>
+
+#include "cpu/kernel_util.h"
+#include "rejection_sample.h"
+
+namespace dspark {
+namespace {
+using namespace cpu;
+
+constexpr int64_t kSlice = 512;  // elements per pass slice (a multiple of 4: Philox blocks)
+
+template <class T>
+DSPARK_ALWAYS_INLINE int64_t RowArgmax(const T* row, int64_t V) {
+  ArgPart a;
+  for (int64_t v = 0; v < V; ++v) a.Offer(static_cast<double>(row[v]), v);
+  return a.Index();
+}
+
+// logsumexp(row / t) over V, slice partials merged in order.
+template <class T>
+DSPARK_ALWAYS_INLINE double RowLse(const T* row, int64_t V, double t) {
+  double zt[kSlice], w[kSlice];
+  LsePart total;
+  for (int64_t v0 = 0; v0 < V; v0 += kSlice) {
+    const int64_t n = std::min(kSlice, V - v0);
+    for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(row[v0 + j]) / t;
+    total.Merge(LseSlice(zt, n, w));
+  }
+  return total.Value();
+}
+
+// argmax_v(row[v] / t + gumbel(emit, position, v)): the bonus token.
+template <class T>
+DSPARK_ALWAYS_INLINE int64_t EmitFromRow(const PhiloxKey& key, uint32_t position, const T* row,
+                                         int64_t V, double t) {
+  double zt[kSlice], w[kSlice];
+  ArgPart best;
+  for (int64_t v0 = 0; v0 < V; v0 += kSlice) {
+    const int64_t n = std::min(kSlice, V - v0);
+    for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(row[v0 + j]) / t;
+    const LsePart part = LseSlice(zt, n, w);
+    GumbelArgmax(key, kPurposeEmit, position, v0, n, w, part.m, [&](int64_t j) { return zt[j]; },
+                 best);
+  }
+  return best.Index();
+}
+
+// argmax_v(log max(0, P(v) - q(v)) + gumbel(emit, position, v)) with
+// P = exp(row / t - lse_p), q = exp(draft / t - lse_q): the token after a rejection.
+template <class T>
+DSPARK_ALWAYS_INLINE int64_t EmitFromResidual(const PhiloxKey& key, uint32_t position,
+                                              const T* row, double lse_p, const T* draft,
+                                              double lse_q, int64_t V, double t) {
+  double resid[kSlice];
+  ArgPart best;
+  for (int64_t v0 = 0; v0 < V; v0 += kSlice) {
+    const int64_t n = std::min(kSlice, V - v0);
+    for (int64_t j = 0; j < n; ++j) {
+      const double pv = ExpD(static_cast<double>(row[v0 + j]) / t - lse_p);
+      const double qv = ExpD(static_cast<double>(draft[v0 + j]) / t - lse_q);
+      const double d = pv - qv;
+      resid[j] = d > 0.0 ? d : 0.0;  // NaN -> 0: log 0 = -inf never wins, like NaN
+    }
+    // Weights are the residuals themselves (c = 0): exp(log resid - B) = resid * exp(-B).
+    GumbelArgmax(key, kPurposeEmit, position, v0, n, resid, 0.0,
+                 [&](int64_t j) { return std::log(resid[j]); }, best);
+  }
+  return best.Index();
+}
+
+// Request r; draft_lse has the element type T too (float64 iff the logits are).
+template <class T>
+DSPARK_ALWAYS_INLINE void RequestImpl(const RejectionSampleParams& p, int64_t r) {
+  const int64_t V = p.V, gamma = p.gamma;
+  const int64_t lo = p.cu_rows[r], ell = p.cu_rows[r + 1] - lo - 1;
+  const T* rows = static_cast<const T*>(p.target_logits) + lo * V;
+  const int64_t* drafts = p.draft_tokens + r * gamma;
+  int64_t* out = p.out_tokens + r * (gamma + 1);
+  int64_t a = 0, y = 0;
+  if (p.temperature[r] == 0.0f) {
+    while (a < ell && drafts[a] == RowArgmax(rows + a * V, V)) ++a;
+    y = RowArgmax(rows + a * V, V);
+  } else {
+    const double t = static_cast<double>(p.temperature[r]);
+    const PhiloxKey key{p.seed[r], static_cast<uint32_t>(p.stream[r]),
+                        static_cast<uint32_t>(p.round[r])};
+    bool rejected = false;
+    for (; a < ell; ++a) {
+      const T* row = rows + a * V;
+      const T* draft = static_cast<const T*>(p.draft_logits) + (r * gamma + a) * V;
+      const double lse_q = static_cast<double>(static_cast<const T*>(p.draft_lse)[r * gamma + a]);
+      const double lse_p = RowLse(row, V, t);
+      const int64_t x = drafts[a];
+      const double px = std::exp(static_cast<double>(row[x]) / t - lse_p);
+      const double qx = std::exp(static_cast<double>(draft[x]) / t - lse_q);
+      const uint32_t pos = static_cast<uint32_t>(a + 1);
+      const double u = WordToUniform(PhiloxWord(key, kPurposeAccept, pos, 0));
+      if (u * qx < px) continue;
+      y = EmitFromResidual(key, pos, row, lse_p, draft, lse_q, V, t);
+      rejected = true;
+      break;
+    }
+    if (!rejected) y = EmitFromRow(key, static_cast<uint32_t>(ell + 1), rows + ell * V, V, t);
+  }
+  std::copy(drafts, drafts + a, out);
+  out[a] = y;
+  std::fill(out + a + 1, out + gamma + 1, int64_t{-1});
+  p.num_accepted[r] = static_cast<int32_t>(a);
+}
+
+DSPARK_CPU_CLONES void Request32(const RejectionSampleParams& p, int64_t r) {
+  RequestImpl<float>(p, r);
+}
+DSPARK_CPU_CLONES void Request64(const RejectionSampleParams& p, int64_t r) {
+  RequestImpl<double>(p, r);
+}
+
+Status Validate(const RejectionSampleParams& p) {
+  if (p.R < 0 || p.gamma < 0 || p.V < 0) return Status::kBadArgument;
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat64) return Status::kUnsupported;
+  if (p.lse_dtype != p.dtype) return Status::kBadArgument;  // float64 iff dtype is float64
+  if (p.R == 0) return Status::kOk;
+  if (p.V < 1 || !p.target_logits || !p.cu_rows || !p.temperature || !p.seed || !p.stream ||
+      !p.round || !p.num_accepted || !p.out_tokens) {
+    return Status::kBadArgument;
+  }
+  if (p.gamma > 0 && (!p.draft_tokens || !p.draft_logits || !p.draft_lse)) {
+    return Status::kBadArgument;
+  }
+  if (p.cu_rows[0] != 0) return Status::kBadArgument;
+  for (int64_t r = 0; r < p.R; ++r) {
+    const int64_t rows = int64_t{p.cu_rows[r + 1]} - p.cu_rows[r];
+    if (rows < 1 || rows > p.gamma + 1) return Status::kBadArgument;
+    for (int64_t k = 0; k + 1 < rows; ++k) {
+      const int64_t x = p.draft_tokens[r * p.gamma + k];
+      if (x < 0 || x >= p.V) return Status::kBadArgument;
+    }
+  }
+  return Status::kOk;
+}
+
+}  // namespace
+
+Status RejectionSampleCpu(const RejectionSampleParams& p) {
+  const Status s = Validate(p);
+  if (s != Status::kOk || p.R == 0) return s;
+  const bool par = p.V * (p.gamma + 1) > (1 << 12);
+  if (p.dtype == DType::kFloat64) {
+    ParallelFor(p.R, par, [&](int64_t r) { Request64(p, r); });
+  } else {
+    ParallelFor(p.R, par, [&](int64_t r) { Request32(p, r); });
+  }
+  return Status::kOk;
+}
+
+}  // namespace dspark

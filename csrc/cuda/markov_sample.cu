@@ -1,0 +1,777 @@
+// markov_sample on the GPU: the whole sequential drafting stage (DESIGN §2 steps 2-3) for R
+// requests and gamma steps, with no return to the host. Semantics: reference.markov_sample.
+//
+// Shape of the work. Every step k needs x_{k-1} of every request, i.e. a finished argmax over
+// the whole vocabulary, so a step is a grid-wide sweep followed by a grid-wide reduction:
+//   * MarkovSweepKernel (many blocks): tiles the vocabulary; each block streams its tile of W2
+//     rows from HBM ONCE for all requests of the group (bias = W2_tile @ e_eff^T, tensor cores
+//     for 16-bit types), adds the bias into the logits in place (z), and folds z / T, the
+//     Gumbel score (Philox) and the log-sum-exp into one partial per (block, request).
+//   * MarkovStepKernel (one block per request): merges the partials in a fixed order into x_k,
+//     lse_k, logprob_k, then prepares step k + 1: e = W1[x_k], the gated head's gate, the
+//     confidence logit.
+// The gamma steps are 2 gamma stream-ordered launches (plus one prologue pair). A persistent
+// cooperative kernel with a grid barrier would save ~1 us of launch gap per step, but needs
+// every block co-resident and a barrier about as costly; two plain launches per step keep each
+// kernel's resources independent and are safe under CUDA-graph capture. Per step the floor is
+// W2's bytes (77.8 MB in bf16 for V = 151936, r = 256: ~18 us at 4.3 TB/s) plus the logits.
+//
+// Requests are processed in groups of up to 64 (each group sweeps W2 again): the bias tile and
+// e_eff of a group live in shared memory. The RNN head returns kUnsupported: its state update
+// needs a (3r x (2r + d)) matvec per step and request, and the runtime falls back to the
+// reference for it.
+#include "markov_sample.h"
+
+#include <algorithm>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/sampling.cuh"
+
+namespace dspark::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxGroup = 64;   // requests sharing one W2 sweep
+constexpr int kItem = 128;      // vocabulary entries per epilogue item: 32 lanes x 4
+constexpr int kMaxRank = 1024;  // e lives in a static shared array of the step kernel
+
+// One block's summary of one request over the vocabulary it swept.
+struct Partial {
+  double best;  // exact score of the winner
+  int idx;      // its vocabulary index
+  float m;      // log-sum-exp state (sampling.cuh)
+  double s;
+};
+
+struct SweepArgs {
+  void* logits;           // group base, [G, gamma, V]
+  const void* w2;         // [V, rank]
+  const void* e_eff;      // [G, rank] in the logits dtype: e, or g * e for the gated head
+  const float* temperature;
+  const uint64_t* seed;
+  const int64_t* stream;
+  const int64_t* round;
+  Partial* partials;      // [gridDim.x, G]
+  int G, gamma, V, rank, k, tv;
+  int es_stride;          // row stride of e in shared memory (elements)
+  int off_bias, off_slot_m, off_slot_idx, off_es;  // shared-memory layout (bytes)
+  bool has_bias;
+  bool vec;               // logits rows allow 4-element vector access
+  bool w2_vec;            // W2 rows allow 4-element vector access (FFMA path)
+};
+
+// ---- bias tile: tensor cores ------------------------------------------------------------------
+// Warp w computes m-tiles of 16 vocabulary rows (M) x 8 requests (N) with K = rank. A = W2 rows
+// straight from global memory, B = e from shared memory.
+// NOTE: the K order inside each 32-column chunk is permuted so that one 16-byte load per row
+// feeds two mma k-steps: thread t holds columns 8t..8t+7 and uses (8t, 8t+1 | 8t+2, 8t+3) as
+// logical k (2t, 2t+1 | 2t+8, 2t+9) of the first k-step and 8t+4..8t+7 for the second. A dot
+// product does not care about the order of k as long as A and B agree, and they do.
+template <class T>
+__device__ __forceinline__ void BiasTileMma(const SweepArgs& a, const T* es, float* bias, int v0) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int bs = a.tv + 4, rank = a.rank, V = a.V;
+  const int nt_count = (a.G + 7) >> 3;
+  const T* w2 = static_cast<const T*>(a.w2);
+  for (int mt = warp; mt < a.tv / 16; mt += kWarps) {
+    if (v0 + mt * 16 >= V) break;
+    const int r0 = v0 + mt * 16 + g, r1 = r0 + 8;
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    for (int kb = 0; kb < rank; kb += 128) {
+      uint4 a0[4], a1[4];
+      // NOTE: all eight 16-byte loads of the slab are issued before the first mma so each warp
+      // keeps 4 KB of W2 in flight.
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int col = kb + c * 32 + t * 8;
+        const bool ok = kb + c * 32 < rank;
+        a0[c] = (ok && r0 < V) ? LdgStream(w2 + static_cast<int64_t>(r0) * rank + col) : make_uint4(0, 0, 0, 0);
+        a1[c] = (ok && r1 < V) ? LdgStream(w2 + static_cast<int64_t>(r1) * rank + col) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (kb + c * 32 < rank) {
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            if (nt < nt_count) {
+              const uint4 b = *reinterpret_cast<const uint4*>(es + (nt * 8 + g) * a.es_stride + kb + c * 32 + t * 8);
+              Mma16816<T>(acc[nt], a0[c].x, a1[c].x, a0[c].y, a1[c].y, b.x, b.y);
+              Mma16816<T>(acc[nt], a0[c].z, a1[c].z, a0[c].w, a1[c].w, b.z, b.w);
+            }
+          }
+        }
+      }
+    }
+    // C fragment -> bias[request][vocab]; bs = tv + 4 makes these stores conflict-free.
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_count) {
+        const int req = nt * 8 + 2 * t, row = mt * 16 + g;
+        bias[req * bs + row] = acc[nt][0];
+        bias[(req + 1) * bs + row] = acc[nt][1];
+        bias[req * bs + row + 8] = acc[nt][2];
+        bias[(req + 1) * bs + row + 8] = acc[nt][3];
+      }
+    }
+  }
+}
+
+// ---- bias tile: CUDA cores (float32, or ranks the tensor-core path cannot take) ---------------
+// Thread = (vocabulary row, group of 8 requests); e is read from shared memory as a broadcast.
+template <class T>
+__device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, const float* es, float* bias, int v0) {
+  const int bs = a.tv + 4, rank = a.rank, ngrp = (a.G + 7) >> 3;
+  const T* w2 = static_cast<const T*>(a.w2);
+  for (int i = threadIdx.x; i < a.tv * ngrp; i += kThreads) {
+    const int vl = i % a.tv, grp = i / a.tv, row = v0 + vl;
+    if (row >= a.V) continue;
+    const T* wr = w2 + static_cast<int64_t>(row) * rank;
+    const float* eb = es + grp * 8 * a.es_stride;
+    float acc[8] = {};
+    if (a.w2_vec) {
+      for (int j = 0; j < rank; j += 4) {
+        const float4 w = Load4(wr + j);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const float4 e = *reinterpret_cast<const float4*>(eb + q * a.es_stride + j);
+          acc[q] = fmaf(w.x, e.x, fmaf(w.y, e.y, fmaf(w.z, e.z, fmaf(w.w, e.w, acc[q]))));
+        }
+      }
+    } else {
+      for (int j = 0; j < rank; ++j) {
+        const float w = ToFloat(wr[j]);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = fmaf(w, eb[q * a.es_stride + j], acc[q]);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      if (grp * 8 + q < a.G) bias[(grp * 8 + q) * bs + vl] = acc[q];
+    }
+  }
+}
+
+// ---- the sweep --------------------------------------------------------------------------------
+template <class T, bool kMma>
+__global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int G = a.G, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gpad = (G + 7) & ~7, bs = a.tv + 4;
+  // Per-warp running partials of every request: a warp only touches its own slots.
+  double* slot_best = reinterpret_cast<double*>(smem);       // [kWarps][G]
+  double* slot_s = slot_best + kWarps * G;                   // [kWarps][G]
+  float* bias = reinterpret_cast<float*>(smem + a.off_bias);  // [gpad][tv + 4]
+  float* slot_m = reinterpret_cast<float*>(smem + a.off_slot_m);
+  int* slot_idx = reinterpret_cast<int*>(smem + a.off_slot_idx);
+
+  for (int i = threadIdx.x; i < kWarps * G; i += kThreads) {
+    slot_best[i] = -kInfD;
+    slot_idx[i] = 0x7fffffff;
+    slot_m[i] = -kInfF;
+    slot_s[i] = 0.0;
+  }
+  if (a.has_bias) {
+    // e_eff of every request (zero rows pad the group to a multiple of 8 for the mma N tiles).
+    const T* eg = static_cast<const T*>(a.e_eff);
+    for (int i = threadIdx.x; i < gpad * a.es_stride; i += kThreads) {
+      const int row = i / a.es_stride, j = i - row * a.es_stride;
+      const T val = (row < G && j < a.rank) ? eg[row * a.rank + j] : FromFloat<T>(0.f);
+      if constexpr (kMma) {
+        reinterpret_cast<T*>(smem + a.off_es)[i] = val;
+      } else {
+        reinterpret_cast<float*>(smem + a.off_es)[i] = ToFloat(val);
+      }
+    }
+  }
+  __syncthreads();
+
+  const int chunks = a.tv / kItem;
+  const int ntiles = (a.V + a.tv - 1) / a.tv;
+  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int v0 = tile * a.tv;
+    if (a.has_bias) {
+      if constexpr (kMma) {
+        BiasTileMma<T>(a, reinterpret_cast<const T*>(smem + a.off_es), bias, v0);
+      } else {
+        BiasTileFfma<T>(a, reinterpret_cast<const float*>(smem + a.off_es), bias, v0);
+      }
+    }
+    __syncthreads();
+
+    // Epilogue: item = (request, 128 vocabulary entries), lane = 4 consecutive entries (one
+    // Philox call covers exactly those four indices).
+    for (int item = warp; item < G * chunks; item += kWarps) {
+      const int rq = item / chunks, c = item - rq * chunks;
+      const int vb = v0 + c * kItem;
+      if (vb >= a.V) continue;  // warp-uniform
+      const int v = vb + lane * 4;
+      const int nvalid = max(0, min(4, a.V - v));
+      T* row = static_cast<T*>(a.logits) + (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
+      float4 x = make_float4(-kInfF, -kInfF, -kInfF, -kInfF);
+      if (nvalid == 4 && a.vec) {
+        x = Load4(row + v);
+      } else {
+        if (nvalid > 0) x.x = ToFloat(row[v]);
+        if (nvalid > 1) x.y = ToFloat(row[v + 1]);
+        if (nvalid > 2) x.z = ToFloat(row[v + 2]);
+        if (nvalid > 3) x.w = ToFloat(row[v + 3]);
+      }
+      if (a.has_bias) {
+        // z = U + bias with the reference's roundings: bias rounded to T, then the sum.
+        const float4 b = *reinterpret_cast<const float4*>(bias + rq * bs + c * kItem + lane * 4);
+        x.x = RoundTo<T>(x.x + RoundTo<T>(b.x));
+        x.y = RoundTo<T>(x.y + RoundTo<T>(b.y));
+        x.z = RoundTo<T>(x.z + RoundTo<T>(b.z));
+        x.w = RoundTo<T>(x.w + RoundTo<T>(b.w));
+        if (nvalid == 4 && a.vec) {
+          Store4(row + v, x);
+        } else {
+          if (nvalid > 0) row[v] = FromFloat<T>(x.x);
+          if (nvalid > 1) row[v + 1] = FromFloat<T>(x.y);
+          if (nvalid > 2) row[v + 2] = FromFloat<T>(x.z);
+          if (nvalid > 3) row[v + 3] = FromFloat<T>(x.w);
+        }
+      }
+      if (nvalid < 4) {  // invalid entries take no part in the max, the sum or the argmax
+        if (nvalid < 1) x.x = -kInfF;
+        if (nvalid < 2) x.y = -kInfF;
+        if (nvalid < 3) x.z = -kInfF;
+        x.w = -kInfF;
+      }
+      const float tf = a.temperature[rq];
+      const bool greedy = tf == 0.f;
+      const float inv_t = greedy ? 1.f : 1.f / tf;
+      const double td = greedy ? 1.0 : static_cast<double>(tf);
+
+      LogSumExp lse;
+      lse.Init();
+      lse.Add4(x, inv_t);
+      ArgMax am;
+      am.Init();
+      if (greedy) {
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (j < nvalid) am.Offer(static_cast<double>(xs[j]), v + j);
+        }
+      } else {
+        const PhiloxKey key{a.seed[rq], static_cast<uint32_t>(a.stream[rq]), static_cast<uint32_t>(a.round[rq])};
+        const uint32_t pos = static_cast<uint32_t>(a.k + 1);
+        // Seed the pre-filter with the exact score of the item's largest logit: any entry whose
+        // logit is more than ~17.5 T below it cannot win and skips Philox altogether.
+        float best_f = -kInfF;
+        const float xmax = WarpMax(fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
+        if (xmax > -kInfF && xmax < kInfF) {
+          const float xs[4] = {x.x, x.y, x.z, x.w};
+          int jm = 4;
+#pragma unroll
+          for (int j = 3; j >= 0; --j) {
+            if (xs[j] == xmax) jm = j;
+          }
+          const unsigned ball = __ballot_sync(0xffffffffu, jm < 4);
+          const int src = __ffs(ball) - 1;
+          double sc = 0.0;
+          if (lane == src) {
+            const uint4 w = PhiloxQuad(key, kPurposeDraft, pos, static_cast<uint32_t>(v) >> 2);
+            const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+            uint32_t word = ws[0];
+#pragma unroll
+            for (int j = 1; j < 4; ++j) {
+              if (j == jm) word = ws[j];
+            }
+            sc = static_cast<double>(xmax) / td + GumbelExact(word);
+            am.Offer(sc, v + jm);
+          }
+          sc = __shfl_sync(0xffffffffu, sc, src);
+          best_f = static_cast<float>(sc);
+        }
+        OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, key, kPurposeDraft, pos);
+      }
+      lse.WarpMerge(inv_t);
+      am.WarpMerge();
+      if (lane == 0) {
+        const int s = warp * G + rq;
+        ArgMax old{slot_best[s], slot_idx[s]};
+        old.Merge(am);
+        LogSumExp lo{slot_m[s], slot_s[s]};
+        lo.Merge(lse, inv_t);
+        slot_best[s] = old.best;
+        slot_idx[s] = old.idx;
+        slot_m[s] = lo.m;
+        slot_s[s] = lo.s;
+      }
+    }
+    __syncthreads();  // the next tile overwrites the bias tile
+  }
+
+  for (int rq = threadIdx.x; rq < G; rq += kThreads) {
+    const float tf = a.temperature[rq];
+    const float inv_t = tf == 0.f ? 1.f : 1.f / tf;
+    ArgMax am;
+    am.Init();
+    LogSumExp lse;
+    lse.Init();
+    for (int w = 0; w < kWarps; ++w) {
+      am.Merge(ArgMax{slot_best[w * G + rq], slot_idx[w * G + rq]});
+      lse.Merge(LogSumExp{slot_m[w * G + rq], slot_s[w * G + rq]}, inv_t);
+    }
+    a.partials[static_cast<int64_t>(blockIdx.x) * G + rq] = Partial{am.best, am.idx, lse.m, lse.s};
+  }
+}
+
+// ---- the per-step reduction and the next step's head state ------------------------------------
+struct StepArgs {
+  void* logits;  // group base [G, gamma, V]
+  const void* hidden;
+  const int64_t* anchor;
+  const void* w1;
+  const void* gate_w;
+  const void* gate_b;
+  const void* conf_w;
+  const void* conf_b;
+  const float* temperature;
+  int64_t* tokens;
+  float* logprob;
+  float* lse;
+  float* conf_logit;
+  const Partial* partials;  // [nblocks, G]
+  void* e_eff;              // [G, rank]
+  const float* hg;          // [G, gamma, rank] gate_w[:, :d] @ h_k (gated head)
+  const float* hc;          // [G, gamma] conf_w[:d] . h_k (confidence head)
+  int G, gamma, V, rank, d, k, nblocks;
+  MarkovHead head;
+  bool confidence, confidence_markov;
+};
+
+// Finishes step k (k >= 0) and prepares step k + 1; k = -1 prepares step 0 from the anchors.
+template <class T>
+__global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
+  __shared__ float e_s[kMaxRank];
+  __shared__ double red_best[kWarps], red_s[kWarps];
+  __shared__ int red_idx[kWarps];
+  __shared__ float red_m[kWarps];
+  __shared__ float red_f[32];
+  __shared__ int x_s;
+  const int rq = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int x;
+  if (a.k >= 0) {
+    const float tf = a.temperature[rq];
+    const float inv_t = tf == 0.f ? 1.f : 1.f / tf;
+    const double td = tf == 0.f ? 1.0 : static_cast<double>(tf);
+    ArgMax am;
+    am.Init();
+    LogSumExp lse;
+    lse.Init();
+    for (int b = threadIdx.x; b < a.nblocks; b += kThreads) {
+      const Partial p = a.partials[static_cast<int64_t>(b) * a.G + rq];
+      am.Merge(ArgMax{p.best, p.idx});
+      lse.Merge(LogSumExp{p.m, p.s}, inv_t);
+    }
+    am.WarpMerge();
+    lse.WarpMerge(inv_t);
+    if (lane == 0) {
+      red_best[warp] = am.best;
+      red_idx[warp] = am.idx;
+      red_m[warp] = lse.m;
+      red_s[warp] = lse.s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < kWarps; ++w) {
+        am.Merge(ArgMax{red_best[w], red_idx[w]});
+        lse.Merge(LogSumExp{red_m[w], red_s[w]}, inv_t);
+      }
+      const int xk = (am.idx >= 0 && am.idx < a.V) ? am.idx : 0;
+      const double l = lse.Value(td);
+      const T* row = static_cast<const T*>(a.logits) + (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
+      const double zx = static_cast<double>(ToFloat(row[xk]));
+      const int64_t o = static_cast<int64_t>(rq) * a.gamma + a.k;
+      a.tokens[o] = xk;
+      a.lse[o] = static_cast<float>(l);
+      a.logprob[o] = static_cast<float>(zx / td - l);
+      x_s = xk;
+    }
+    __syncthreads();
+    x = x_s;
+  } else {
+    const int64_t x0 = a.anchor[rq];
+    x = (x0 >= 0 && x0 < a.V) ? static_cast<int>(x0) : 0;
+  }
+
+  const int kn = a.k + 1;
+  if (kn >= a.gamma) return;
+  const bool gated = a.head == MarkovHead::kGated;
+  const bool need_e = a.head == MarkovHead::kVanilla || gated || (a.confidence && a.confidence_markov);
+  const T* w1 = static_cast<const T*>(a.w1);
+  if (need_e) {
+    for (int j = threadIdx.x; j < a.rank; j += kThreads) e_s[j] = ToFloat(w1[static_cast<int64_t>(x) * a.rank + j]);
+    __syncthreads();
+  }
+  T* e_out = static_cast<T*>(a.e_eff) + static_cast<int64_t>(rq) * a.rank;
+  if (gated) {
+    // g = sigmoid(gate_w @ [h; e] + gate_b), rounded as the reference rounds each op; the h half
+    // of the product was computed once for all steps by MarkovProjKernel.
+    const T* gw = static_cast<const T*>(a.gate_w);
+    const T* gb = static_cast<const T*>(a.gate_b);
+    const int ld = a.d + a.rank;
+    const float* hg = a.hg + (static_cast<int64_t>(rq) * a.gamma + kn) * a.rank;
+    for (int i = warp; i < a.rank; i += kWarps) {
+      const T* wr = gw + static_cast<int64_t>(i) * ld + a.d;
+      float acc = 0.f;
+      for (int j = lane; j < a.rank; j += 32) acc = fmaf(ToFloat(wr[j]), e_s[j], acc);
+      acc = WarpSum(acc);
+      if (lane == 0) {
+        const float pre = RoundTo<T>(RoundTo<T>(acc + hg[i]) + ToFloat(gb[i]));
+        const float gate = RoundTo<T>(1.f / (1.f + expf(-pre)));
+        e_out[i] = FromFloat<T>(gate * e_s[i]);
+      }
+    }
+  } else if (a.head == MarkovHead::kVanilla) {
+    for (int j = threadIdx.x; j < a.rank; j += kThreads) e_out[j] = w1[static_cast<int64_t>(x) * a.rank + j];
+  }
+  if (a.confidence) {
+    float dot = 0.f;
+    if (a.confidence_markov) {
+      const T* cw = static_cast<const T*>(a.conf_w) + a.d;
+      for (int j = threadIdx.x; j < a.rank; j += kThreads) dot = fmaf(ToFloat(cw[j]), e_s[j], dot);
+    }
+    dot = BlockSum(dot, red_f);
+    if (threadIdx.x == 0) {
+      const int64_t o = static_cast<int64_t>(rq) * a.gamma + kn;
+      const float cb = ToFloat(static_cast<const T*>(a.conf_b)[0]);
+      a.conf_logit[o] = RoundTo<T>(RoundTo<T>(a.hc[o] + dot) + cb);
+    }
+  }
+}
+
+// ---- prologue: the hidden-state halves of the gate and confidence products --------------------
+// out[n][i] = W[i][:d] . hidden[n] for every (request, step) n at once (they do not depend on
+// the sampled tokens). Rows 0..rank-1 are the gate (gated head), row `rank_rows` the confidence
+// head. A warp computes 4 rows x 8 vectors so each loaded element feeds 4 or 8 FMAs.
+struct ProjArgs {
+  const void* hidden;  // [N, d]
+  const void* gate_w;  // [rank, d + rank] or null
+  const void* conf_w;  // [d (+ rank)] or null
+  float* hg;           // [N, rank]
+  float* hc;           // [N]
+  int N, d, rank_rows, ld_gate;
+  bool vec;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) MarkovProjKernel(ProjArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) >> 5;
+  const int nrows = a.rank_rows + (a.conf_w != nullptr ? 1 : 0);
+  const int row_tiles = (nrows + 3) / 4, vec_tiles = (a.N + 7) / 8;
+  if (warp >= row_tiles * vec_tiles) return;
+  const int rt = warp % row_tiles, vt = warp / row_tiles;
+  const T* wp[4];
+  const T* hp[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = min(rt * 4 + i, nrows - 1);  // clamped duplicates are computed, not stored
+    wp[i] = row < a.rank_rows ? static_cast<const T*>(a.gate_w) + static_cast<int64_t>(row) * a.ld_gate
+                              : static_cast<const T*>(a.conf_w);
+  }
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    hp[q] = static_cast<const T*>(a.hidden) + static_cast<int64_t>(min(vt * 8 + q, a.N - 1)) * a.d;
+  }
+  float acc[4][8] = {};
+  if (a.vec) {
+    for (int j = lane * 4; j < a.d; j += 128) {
+      float4 w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = Load4(wp[i] + j);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float4 h = Load4(hp[q] + j);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[i][q] = fmaf(w[i].x, h.x, fmaf(w[i].y, h.y, fmaf(w[i].z, h.z, fmaf(w[i].w, h.w, acc[i][q]))));
+        }
+      }
+    }
+  } else {
+    for (int j = lane; j < a.d; j += 32) {
+      float w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = ToFloat(wp[i][j]);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float h = ToFloat(hp[q][j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i][q] = fmaf(w[i], h, acc[i][q]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const float s = WarpSum(acc[i][q]);
+      const int row = rt * 4 + i, n = vt * 8 + q;
+      if (lane == 0 && row < nrows && n < a.N) {
+        if (row < a.rank_rows) {
+          a.hg[static_cast<int64_t>(n) * a.rank_rows + row] = s;
+        } else {
+          a.hc[n] = s;
+        }
+      }
+    }
+  }
+}
+
+// ---- host --------------------------------------------------------------------------------------
+struct SweepLayout {
+  int tv = 0, es_stride = 0;
+  int off_bias = 0, off_slot_m = 0, off_slot_idx = 0, off_es = 0, bytes = 0;
+};
+
+int AlignUp(int x, int a) { return (x + a - 1) / a * a; }
+
+// Largest vocabulary tile of a group: keeps the bias tile near 32 KB.
+int MaxTile(int G) { return kItem * std::max(1, 8 / (AlignUp(G, 8) / 8)); }
+
+SweepLayout MakeSweepLayout(int G, int tv, int rank, bool mma, int elem_bytes, bool has_bias) {
+  SweepLayout l;
+  const int gpad = AlignUp(G, 8);
+  l.tv = tv;
+  if (mma) {
+    // Row stride = 64 (mod 128) bytes: the 8 lanes of an LDS.128 phase hit disjoint banks.
+    l.es_stride = rank % 64 == 32 ? rank : rank + 32;
+  } else {
+    l.es_stride = AlignUp(rank, 4);
+  }
+  int off = 2 * kWarps * G * 8;  // slot_best, slot_s
+  l.off_bias = off;
+  off += has_bias ? gpad * (l.tv + 4) * 4 : 0;
+  l.off_slot_m = off;
+  off += kWarps * G * 4;
+  l.off_slot_idx = off;
+  off += kWarps * G * 4;
+  off = AlignUp(off, 16);
+  l.off_es = off;
+  off += has_bias ? gpad * l.es_stride * (mma ? elem_bytes : 4) : 0;
+  l.bytes = AlignUp(off, 16);
+  return l;
+}
+
+template <class T, bool kMma>
+Status LaunchSweep(SweepArgs a, int smem, int blocks, cudaStream_t stream) {
+  auto kernel = MarkovSweepKernel<T, kMma>;
+  if (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    return Status::kCudaError;
+  }
+  kernel<<<blocks, kThreads, smem, stream>>>(a);
+  return LaunchStatus();
+}
+
+template <class T, bool kMma>
+Status SweepGrid(int smem, const DeviceLimits& lim, int* blocks) {
+  auto kernel = MarkovSweepKernel<T, kMma>;
+  if (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    return Status::kCudaError;
+  }
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+    return Status::kCudaError;
+  }
+  *blocks = std::max(1, per_sm) * lim.sm_count;
+  return Status::kOk;
+}
+
+// The tensor-core sweep exists for 16-bit types only (no float instantiation).
+template <class T>
+Status SweepGridFor(bool mma, int smem, const DeviceLimits& lim, int* blocks) {
+  if constexpr (sizeof(T) == 2) {
+    if (mma) return SweepGrid<T, true>(smem, lim, blocks);
+  }
+  return SweepGrid<T, false>(smem, lim, blocks);
+}
+template <class T>
+Status LaunchSweepFor(bool mma, const SweepArgs& a, int smem, int blocks, cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    if (mma) return LaunchSweep<T, true>(a, smem, blocks, stream);
+  }
+  return LaunchSweep<T, false>(a, smem, blocks, stream);
+}
+
+template <class T>
+Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
+  DeviceLimits lim;
+  if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
+  const int R = static_cast<int>(p.R), gamma = static_cast<int>(p.gamma), V = static_cast<int>(p.V);
+  const int rank = static_cast<int>(p.rank), d = static_cast<int>(p.d);
+  const bool has_bias = p.head == MarkovHead::kVanilla || p.head == MarkovHead::kGated;
+  const bool gated = p.head == MarkovHead::kGated;
+  constexpr int kElem = sizeof(T);
+  const bool mma = has_bias && kElem == 2 && rank % 32 == 0 && Aligned(p.w2, 16);
+
+  // Group size: as many requests per W2 sweep as the shared memory takes (at most 64).
+  int G = std::min(R, kMaxGroup);
+  SweepLayout lay = MakeSweepLayout(G, MaxTile(G), rank, mma, kElem, has_bias);
+  while (G > 1 && lay.bytes > std::min(lim.smem_optin, 160 * 1024)) {
+    G = (G + 1) / 2;
+    lay = MakeSweepLayout(G, MaxTile(G), rank, mma, kElem, has_bias);
+  }
+  if (lay.bytes > lim.smem_optin) return Status::kUnsupported;
+  int max_blocks = 0;  // co-resident blocks at the largest tile (smaller tiles only fit more)
+  Status st = SweepGridFor<T>(mma, lay.bytes, lim, &max_blocks);
+  if (st != Status::kOk) return st;
+  const int nblocks = max_blocks;
+
+  Scratch scratch(stream);
+  Partial* partials = nullptr;
+  T* e_eff = nullptr;
+  float* hg = nullptr;
+  float* hc = nullptr;
+  if ((st = scratch.Get(static_cast<size_t>(nblocks) * G, &partials)) != Status::kOk) return st;
+  if ((st = scratch.Get(static_cast<size_t>(G) * std::max(rank, 1), &e_eff)) != Status::kOk) return st;
+  if (gated && (st = scratch.Get(static_cast<size_t>(R) * gamma * rank, &hg)) != Status::kOk) return st;
+  if (p.confidence && (st = scratch.Get(static_cast<size_t>(R) * gamma, &hc)) != Status::kOk) return st;
+
+  if (gated || p.confidence) {
+    ProjArgs pa{};
+    pa.hidden = p.hidden;
+    pa.gate_w = gated ? p.gate_w : nullptr;
+    pa.conf_w = p.confidence ? p.conf_w : nullptr;
+    pa.hg = hg;
+    pa.hc = hc;
+    pa.N = R * gamma;
+    pa.d = d;
+    pa.rank_rows = gated ? rank : 0;
+    pa.ld_gate = d + rank;
+    pa.vec = d % 4 == 0 && Aligned(p.hidden, 4 * kElem) && (!gated || (pa.ld_gate % 4 == 0 && Aligned(p.gate_w, 4 * kElem))) &&
+             (!p.confidence || Aligned(p.conf_w, 4 * kElem));
+    const int nrows = pa.rank_rows + (p.confidence ? 1 : 0);
+    const int64_t warps = CeilDiv(nrows, 4) * CeilDiv(pa.N, 8);
+    if (d > 0) {
+      MarkovProjKernel<T><<<static_cast<unsigned>(CeilDiv(warps, kWarps)), kThreads, 0, stream>>>(pa);
+    } else {
+      if (gated) cudaMemsetAsync(hg, 0, sizeof(float) * R * gamma * rank, stream);
+      if (p.confidence) cudaMemsetAsync(hc, 0, sizeof(float) * R * gamma, stream);
+    }
+    if ((st = LaunchStatus()) != Status::kOk) return st;
+  }
+
+  for (int r0 = 0; r0 < R; r0 += G) {
+    const int Gg = std::min(G, R - r0);
+    // The smallest tile (multiple of 128) that covers V in one wave of co-resident blocks: the
+    // sweep is bound by HBM, so what matters is every block streaming at once, not SM balance.
+    const int tv = static_cast<int>(std::min<int64_t>(
+        MaxTile(Gg), std::max<int64_t>(kItem, kItem * CeilDiv(V, static_cast<int64_t>(kItem) * max_blocks))));
+    const SweepLayout gl = MakeSweepLayout(Gg, tv, rank, mma, kElem, has_bias);
+    const int64_t row0 = static_cast<int64_t>(r0) * gamma;
+
+    SweepArgs sa{};
+    sa.logits = static_cast<T*>(p.logits) + row0 * V;
+    sa.w2 = p.w2;
+    sa.e_eff = e_eff;
+    sa.temperature = p.temperature + r0;
+    sa.seed = p.seed + r0;
+    sa.stream = p.stream + r0;
+    sa.round = p.round + r0;
+    sa.partials = partials;
+    sa.G = Gg;
+    sa.gamma = gamma;
+    sa.V = V;
+    sa.rank = rank;
+    sa.tv = gl.tv;
+    sa.es_stride = gl.es_stride;
+    sa.off_bias = gl.off_bias;
+    sa.off_slot_m = gl.off_slot_m;
+    sa.off_slot_idx = gl.off_slot_idx;
+    sa.off_es = gl.off_es;
+    sa.has_bias = has_bias;
+    sa.vec = V % 4 == 0 && Aligned(p.logits, 4 * kElem);
+    sa.w2_vec = has_bias && rank % 4 == 0 && Aligned(p.w2, 4 * kElem);
+    // Every block gets the same number of tiles (k or k - 1): a tail where few blocks stream
+    // alone would leave HBM idle.
+    const int ntiles = static_cast<int>(CeilDiv(V, gl.tv));
+    const int gblocks = static_cast<int>(CeilDiv(ntiles, CeilDiv(ntiles, max_blocks)));
+
+    StepArgs ta{};
+    ta.logits = sa.logits;
+    ta.hidden = p.hidden;
+    ta.anchor = p.anchor + r0;
+    ta.w1 = p.w1;
+    ta.gate_w = p.gate_w;
+    ta.gate_b = p.gate_b;
+    ta.conf_w = p.conf_w;
+    ta.conf_b = p.conf_b;
+    ta.temperature = sa.temperature;
+    ta.tokens = p.tokens + row0;
+    ta.logprob = static_cast<float*>(p.logprob) + row0;
+    ta.lse = static_cast<float*>(p.lse) + row0;
+    ta.conf_logit = static_cast<float*>(p.conf_logit) + row0;
+    ta.partials = partials;
+    ta.e_eff = e_eff;
+    ta.hg = hg ? hg + row0 * rank : nullptr;
+    ta.hc = hc ? hc + row0 : nullptr;
+    ta.G = Gg;
+    ta.gamma = gamma;
+    ta.V = V;
+    ta.rank = rank;
+    ta.d = d;
+    ta.nblocks = gblocks;
+    ta.head = p.head;
+    ta.confidence = p.confidence;
+    ta.confidence_markov = p.confidence_markov;
+
+    ta.k = -1;
+    MarkovStepKernel<T><<<Gg, kThreads, 0, stream>>>(ta);
+    if ((st = LaunchStatus()) != Status::kOk) return st;
+    for (int k = 0; k < gamma; ++k) {
+      sa.k = k;
+      st = LaunchSweepFor<T>(mma, sa, gl.bytes, gblocks, stream);
+      if (st != Status::kOk) return st;
+      ta.k = k;
+      MarkovStepKernel<T><<<Gg, kThreads, 0, stream>>>(ta);
+      if ((st = LaunchStatus()) != Status::kOk) return st;
+    }
+  }
+  return Status::kOk;
+}
+
+}  // namespace
+}  // namespace dspark::cuda
+
+namespace dspark {
+
+Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream) {
+  using namespace dspark::cuda;
+  if (p.R < 0 || p.gamma < 0 || p.V < 0 || p.rank < 0 || p.d < 0) return Status::kBadArgument;
+  if (p.R == 0 || p.gamma == 0) return Status::kOk;
+  // Positions enter Philox as 16 bits; indices and offsets are 32-bit in the kernels.
+  if (p.V < 1 || p.V > (1ll << 30) || p.gamma > 0xffff || p.R * p.gamma > (1ll << 30) || p.d > (1 << 30)) {
+    return Status::kBadArgument;
+  }
+  if (p.head == MarkovHead::kRnn) return Status::kUnsupported;  // the runtime uses the reference
+  if (p.head != MarkovHead::kNone && p.head != MarkovHead::kVanilla && p.head != MarkovHead::kGated) {
+    return Status::kBadArgument;
+  }
+  if (p.dtype != DType::kFloat64 && p.out_dtype != DType::kFloat32) return Status::kBadArgument;
+  if (!p.logits || !p.anchor || !p.temperature || !p.seed || !p.stream || !p.round || !p.tokens ||
+      !p.logprob || !p.lse || !p.conf_logit) {
+    return Status::kBadArgument;
+  }
+  const bool has_bias = p.head != MarkovHead::kNone;
+  const bool need_e = has_bias || (p.confidence && p.confidence_markov);
+  if (need_e && (!p.w1 || p.rank < 1)) return Status::kBadArgument;
+  if (need_e && p.rank > kMaxRank) return Status::kUnsupported;
+  if (has_bias && !p.w2) return Status::kBadArgument;
+  if (p.head == MarkovHead::kGated && (!p.gate_w || !p.gate_b || !p.hidden)) return Status::kBadArgument;
+  if (p.confidence && (!p.conf_w || !p.conf_b || !p.hidden)) return Status::kBadArgument;
+  const cudaStream_t stream_ = AsStream(stream);
+  DeviceGuard guard(stream_);
+  DSPARK_DISPATCH_FLOAT(p.dtype, return MarkovLaunch<scalar_t>(p, stream_););
+  return Status::kUnsupported;
+}
+
+}  // namespace dspark

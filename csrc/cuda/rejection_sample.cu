@@ -1,0 +1,358 @@
+// rejection_sample on the GPU: lossless acceptance for the whole batch (DESIGN §2 step 6).
+// Semantics: reference.rejection_sample.
+//
+// Three stream-ordered launches, each over the whole batch:
+//   1. RowStatsKernel, block = (request, verified row, 8192-entry vocabulary chunk): streams the
+//      target row once and leaves a partial: the argmax (greedy rows), the log-sum-exp of x / T
+//      (rows whose P feeds an acceptance test) or the bonus token's Gumbel argmax (the last row).
+//   2. DecideKernel, block = (request, chunk): every block of a request merges the row partials
+//      in the same fixed order and runs the (at most gamma) acceptance tests, so all reach the
+//      same decision; at a rejection each block then streams its chunk of the target and draft
+//      rows once more for the residual Gumbel-max, max(0, P - q) formed on the fly.
+//   3. FinishKernel, thread = request: merges the residual partials into y.
+// Splitting rows into fixed-size chunks (rather than one block per request) keeps the Gumbel
+// work of a single request spread over many SMs: at R = 1 a one-block sweep of 152k entries
+// would take tens of microseconds of Philox and logs. The chunk size is a constant, so results
+// (including the log-sum-exp rounding) do not depend on the GPU or the launch shape.
+#include "rejection_sample.h"
+
+#include <algorithm>
+
+#include "cuda/common.cuh"
+#include "cuda/sampling.cuh"
+
+namespace dspark::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 8192;  // vocabulary entries per block: 8 quads per thread
+
+struct RowStat {
+  double best;  // argmax part (greedy argmax, bonus Gumbel argmax or residual Gumbel argmax)
+  int idx;
+  float m;      // log-sum-exp part (sampling.cuh)
+  double s;
+};
+
+struct Args {
+  const void* target;  // [N, V]
+  const int32_t* cu_rows;
+  const int64_t* draft_tokens;  // [R, gamma]
+  const void* draft_logits;     // [R, gamma, V]
+  const float* draft_lse;       // [R, gamma]
+  const float* temperature;
+  const uint64_t* seed;
+  const int64_t* stream;
+  const int64_t* round;
+  int32_t* num_accepted;
+  int64_t* out_tokens;  // [R, gamma + 1]
+  RowStat* stats;       // [R, gamma + 1, C]
+  RowStat* resid;       // [R, C]
+  int* decision;        // [R] row of the rejection, or -1
+  int R, gamma, V, C;
+  bool vec;             // rows allow 4-element vector loads
+};
+
+__device__ __forceinline__ PhiloxKey KeyOf(const Args& a, int r) {
+  return PhiloxKey{a.seed[r], static_cast<uint32_t>(a.stream[r]), static_cast<uint32_t>(a.round[r])};
+}
+
+template <class T>
+__device__ __forceinline__ float4 LoadQuad(const T* row, int v, int nvalid, bool vec) {
+  float4 x = make_float4(-kInfF, -kInfF, -kInfF, -kInfF);
+  if (nvalid == 4 && vec) return Load4(row + v);
+  if (nvalid > 0) x.x = ToFloat(row[v]);
+  if (nvalid > 1) x.y = ToFloat(row[v + 1]);
+  if (nvalid > 2) x.z = ToFloat(row[v + 2]);
+  if (nvalid > 3) x.w = ToFloat(row[v + 3]);
+  return x;
+}
+
+// Merges every thread's (argmax, lse) into thread 0's, in a fixed order.
+__device__ __forceinline__ void BlockMerge(ArgMax& am, LogSumExp& lse, float inv_t) {
+  __shared__ double sb[kWarps], ss[kWarps];
+  __shared__ int si[kWarps];
+  __shared__ float sm[kWarps];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  am.WarpMerge();
+  lse.WarpMerge(inv_t);
+  if (lane == 0) {
+    sb[warp] = am.best;
+    si[warp] = am.idx;
+    sm[warp] = lse.m;
+    ss[warp] = lse.s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) {
+      am.Merge(ArgMax{sb[w], si[w]});
+      lse.Merge(LogSumExp{sm[w], ss[w]}, inv_t);
+    }
+  }
+}
+
+// ---- 1: per-row partials ---------------------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
+  const int ra = blockIdx.x, c = blockIdx.y;
+  const int r = ra / (a.gamma + 1), row_k = ra - r * (a.gamma + 1);
+  const int lo = a.cu_rows[r], ell = a.cu_rows[r + 1] - lo - 1;
+  if (ell < 0 || ell > a.gamma || row_k > ell) return;
+  const float tf = a.temperature[r];
+  const bool greedy = tf == 0.f;
+  const bool bonus = !greedy && row_k == ell;
+  const float inv_t = greedy ? 1.f : 1.f / tf;
+  const double td = greedy ? 1.0 : static_cast<double>(tf);
+  const PhiloxKey key = KeyOf(a, r);
+  const T* row = static_cast<const T*>(a.target) + static_cast<int64_t>(lo + row_k) * a.V;
+  const int v_end = min(a.V, (c + 1) * kChunk);
+
+  ArgMax am;
+  am.Init();
+  LogSumExp lse;
+  lse.Init();
+  float best_f = -kInfF;
+  for (int v = c * kChunk + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
+    const int nvalid = min(4, v_end - v);
+    const float4 x = LoadQuad(row, v, nvalid, a.vec);
+    if (greedy) {
+      const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (j < nvalid) am.Offer(static_cast<double>(xs[j]), v + j);
+      }
+    } else if (bonus) {
+      OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, key, kPurposeEmit, static_cast<uint32_t>(ell + 1));
+    } else {
+      lse.Add4(x, inv_t);
+    }
+  }
+  BlockMerge(am, lse, inv_t);
+  if (threadIdx.x == 0) a.stats[static_cast<int64_t>(ra) * a.C + c] = RowStat{am.best, am.idx, lse.m, lse.s};
+}
+
+// ---- 2: acceptance tests and the residual sweep ----------------------------------------------
+constexpr int kMaxRows = 64;  // gamma + 1 rows of one request (the launcher checks gamma < 64)
+
+// Merges the C chunk partials of one row with the lanes of a warp, in a fixed tree order.
+__device__ __forceinline__ void WarpMergeRow(const RowStat* st, int C, float inv_t, ArgMax& am, LogSumExp& lse) {
+  const int lane = threadIdx.x & 31;
+  am.Init();
+  lse.Init();
+  for (int c = lane; c < C; c += 32) {
+    const RowStat s = st[c];
+    am.Merge(ArgMax{s.best, s.idx});
+    lse.Merge(LogSumExp{s.m, s.s}, inv_t);
+  }
+  am.WarpMerge();
+  lse.WarpMerge(inv_t);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
+  __shared__ int arg_s[kMaxRows];
+  __shared__ unsigned char ok_s[kMaxRows];
+  __shared__ double lse_row[kMaxRows];
+  __shared__ float m_row[kMaxRows], logs_row[kMaxRows];
+  __shared__ int a_s, y_s, rejected_s;
+  const int r = blockIdx.x, c = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lo = a.cu_rows[r], ell = a.cu_rows[r + 1] - lo - 1;
+  const int G1 = a.gamma + 1;
+  if (ell < 0 || ell > a.gamma) {  // malformed cu_rows: emit nothing rather than read out of range
+    if (c == 0) {
+      for (int j = threadIdx.x; j < G1; j += kThreads) a.out_tokens[static_cast<int64_t>(r) * G1 + j] = -1;
+      if (threadIdx.x == 0) {
+        a.num_accepted[r] = 0;
+        a.decision[r] = -1;
+      }
+    }
+    return;
+  }
+  const float tf = a.temperature[r];
+  const bool greedy = tf == 0.f;
+  if (greedy && c > 0) return;  // greedy never sweeps again: block 0 decides alone
+  const float inv_t = greedy ? 1.f : 1.f / tf;
+  const double td = greedy ? 1.0 : static_cast<double>(tf);
+  const PhiloxKey key = KeyOf(a, r);
+  const RowStat* st = a.stats + static_cast<int64_t>(r) * G1 * a.C;
+  const T* target = static_cast<const T*>(a.target);
+  const T* draft = static_cast<const T*>(a.draft_logits);
+
+  // Every row's merged partials and acceptance test at once (warp = row), so the sequential
+  // part below is arithmetic on shared memory. Every block of the request computes the same.
+  for (int k = warp; k <= ell; k += kWarps) {
+    ArgMax am;
+    LogSumExp lse;
+    WarpMergeRow(st + k * a.C, a.C, inv_t, am, lse);
+    if (lane == 0) {
+      arg_s[k] = am.idx;
+      m_row[k] = lse.m;
+      logs_row[k] = static_cast<float>(log(lse.s));
+      lse_row[k] = lse.Value(td);
+      unsigned char ok = 0;
+      if (k < ell) {
+        const int64_t dk = static_cast<int64_t>(r) * a.gamma + k;
+        const int64_t x = a.draft_tokens[dk];
+        if (greedy) {
+          ok = x == am.idx;
+        } else if (x >= 0 && x < a.V) {
+          const double P = exp(static_cast<double>(ToFloat(target[static_cast<int64_t>(lo + k) * a.V + x])) / td - lse_row[k]);
+          const double q = exp(static_cast<double>(ToFloat(draft[dk * a.V + x])) / td - static_cast<double>(a.draft_lse[dk]));
+          const double u = WordToUniform(PhiloxWord(key, kPurposeAccept, static_cast<uint32_t>(k + 1), 0));
+          ok = u * q < P;
+        }
+      }
+      ok_s[k] = ok;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    while (acc < ell && ok_s[acc]) ++acc;
+    const bool rejected = !greedy && acc < ell;
+    a_s = acc;
+    y_s = arg_s[acc];  // greedy: argmax of row acc; sampled without rejection: the bonus argmax
+    rejected_s = rejected;
+  }
+  __syncthreads();
+  const int acc = a_s, rejected = rejected_s;
+  if (c == 0) {
+    for (int j = threadIdx.x; j < G1; j += kThreads) {
+      int64_t tok = -1;
+      if (j < acc) tok = a.draft_tokens[static_cast<int64_t>(r) * a.gamma + j];
+      if (j == acc && !rejected) tok = y_s;
+      a.out_tokens[static_cast<int64_t>(r) * G1 + j] = tok;
+    }
+    if (threadIdx.x == 0) {
+      a.num_accepted[r] = acc;
+      a.decision[r] = rejected ? acc : -1;
+    }
+  }
+  if (!rejected) return;
+
+  // Residual Gumbel-max over this block's chunk of row `acc`:
+  //   score_v = log(max(0, P_v - q_v)) + gumbel(emit, acc + 1, v).
+  // A float estimate of P - q with a 1e-4 relative error bound decides which entries need the
+  // exact double evaluation (the few that can still reach the running best).
+  const double lse_t = lse_row[acc];
+  const float m_t = m_row[acc], log_s = logs_row[acc];
+  const int64_t dk = static_cast<int64_t>(r) * a.gamma + acc;
+  const double ld = static_cast<double>(a.draft_lse[dk]);
+  const float cq = static_cast<float>(ld - static_cast<double>(m_t) / td);  // q = exp((z - m_t) / T - cq)
+  const T* trow = target + static_cast<int64_t>(lo + acc) * a.V;
+  const T* drow = draft + dk * a.V;
+  const uint32_t pos = static_cast<uint32_t>(acc + 1);
+  const int v_end = min(a.V, (c + 1) * kChunk);
+  ArgMax am;
+  am.Init();
+  float best_f = -kInfF;
+  for (int v = c * kChunk + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
+    const int nvalid = min(4, v_end - v);
+    const float4 x4 = LoadQuad(trow, v, nvalid, a.vec);
+    const float4 z4 = LoadQuad(drow, v, nvalid, a.vec);
+    const float xs[4] = {x4.x, x4.y, x4.z, x4.w}, zs[4] = {z4.x, z4.y, z4.z, z4.w};
+    float ub[4];  // upper bounds of log(P - q); -inf: certainly zero residual
+    float ub_max = -kInfF;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float pf = __expf((xs[j] - m_t) * inv_t - log_s);
+      const float qf = __expf((zs[j] - m_t) * inv_t - cq);
+      const float diff = (pf - qf) + 1e-4f * (pf + qf);
+      ub[j] = (j < nvalid && diff > 0.f) ? __logf(diff) : -kInfF;
+      // NaN inputs give NaN diff: leave them to the exact path while nothing finite was seen.
+      if (j < nvalid && diff != diff) ub[j] = kInfF;
+      ub_max = fmaxf(ub_max, ub[j]);
+    }
+    if (best_f != -kInfF && ub_max + kGumbelMax + 1e-3f < best_f) continue;
+    const uint4 w4 = PhiloxQuad(key, kPurposeEmit, pos, static_cast<uint32_t>(v) >> 2);
+    const uint32_t ws[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j >= nvalid) continue;
+      if (ub[j] == -kInfF && best_f != -kInfF) continue;
+      const float sf = ub[j] + GumbelApprox(ws[j]);
+      if (sf + ScoreMargin(sf) < best_f) continue;
+      const double P = exp(static_cast<double>(xs[j]) / td - lse_t);
+      const double q = exp(static_cast<double>(zs[j]) / td - ld);
+      const double res = P - q;
+      am.Offer(res > 0.0 ? log(res) + GumbelExact(ws[j]) : -kInfD, v + j);
+      best_f = fmaxf(best_f, static_cast<float>(am.best));
+    }
+  }
+  LogSumExp unused;
+  unused.Init();
+  BlockMerge(am, unused, 1.f);
+  if (threadIdx.x == 0) a.resid[static_cast<int64_t>(r) * a.C + c] = RowStat{am.best, am.idx, -kInfF, 0.0};
+}
+
+// ---- 3: the residual token ---------------------------------------------------------------------
+// Warp = request: lanes merge the chunk partials in a fixed tree order.
+__global__ void __launch_bounds__(kThreads) FinishKernel(Args a) {
+  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (r >= a.R) return;
+  const int k = a.decision[r];
+  if (k < 0) return;  // warp-uniform
+  ArgMax am;
+  LogSumExp unused;
+  WarpMergeRow(a.resid + static_cast<int64_t>(r) * a.C, a.C, 1.f, am, unused);
+  if ((threadIdx.x & 31) == 0) a.out_tokens[static_cast<int64_t>(r) * (a.gamma + 1) + k] = am.idx < a.V ? am.idx : 0;
+}
+
+template <class T>
+Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
+  Args a{};
+  a.target = p.target_logits;
+  a.cu_rows = p.cu_rows;
+  a.draft_tokens = p.draft_tokens;
+  a.draft_logits = p.draft_logits;
+  a.draft_lse = static_cast<const float*>(p.draft_lse);
+  a.temperature = p.temperature;
+  a.seed = p.seed;
+  a.stream = p.stream;
+  a.round = p.round;
+  a.num_accepted = p.num_accepted;
+  a.out_tokens = p.out_tokens;
+  a.R = static_cast<int>(p.R);
+  a.gamma = static_cast<int>(p.gamma);
+  a.V = static_cast<int>(p.V);
+  a.C = static_cast<int>(CeilDiv(p.V, kChunk));
+  a.vec = p.V % 4 == 0 && Aligned(p.target_logits, 4 * sizeof(T)) &&
+          (p.gamma == 0 || Aligned(p.draft_logits, 4 * sizeof(T)));
+  Scratch scratch(stream);
+  Status st;
+  if ((st = scratch.Get(static_cast<size_t>(a.R) * (a.gamma + 1) * a.C, &a.stats)) != Status::kOk) return st;
+  if ((st = scratch.Get(static_cast<size_t>(a.R) * a.C, &a.resid)) != Status::kOk) return st;
+  if ((st = scratch.Get(static_cast<size_t>(a.R), &a.decision)) != Status::kOk) return st;
+  RowStatsKernel<T><<<dim3(a.R * (a.gamma + 1), a.C), kThreads, 0, stream>>>(a);
+  if ((st = LaunchStatus()) != Status::kOk) return st;
+  DecideKernel<T><<<dim3(a.R, a.C), kThreads, 0, stream>>>(a);
+  if ((st = LaunchStatus()) != Status::kOk) return st;
+  FinishKernel<<<static_cast<unsigned>(CeilDiv(a.R, kWarps)), kThreads, 0, stream>>>(a);
+  return LaunchStatus();
+}
+
+}  // namespace
+}  // namespace dspark::cuda
+
+namespace dspark {
+
+Status RejectionSampleCuda(const RejectionSampleParams& p, void* stream) {
+  using namespace dspark::cuda;
+  if (p.R < 0 || p.gamma < 0 || p.V < 1) return Status::kBadArgument;
+  if (p.R == 0) return Status::kOk;
+  if (p.V > 65535ll * kChunk || p.R * (p.gamma + 1) > (1ll << 30)) return Status::kBadArgument;
+  if (p.gamma + 1 > kMaxRows) return Status::kUnsupported;
+  if (!p.target_logits || !p.cu_rows || !p.temperature || !p.seed || !p.stream || !p.round ||
+      !p.num_accepted || !p.out_tokens) {
+    return Status::kBadArgument;
+  }
+  if (p.gamma > 0 && (!p.draft_tokens || !p.draft_logits || !p.draft_lse)) return Status::kBadArgument;
+  if (p.dtype != DType::kFloat64 && p.lse_dtype != DType::kFloat32) return Status::kBadArgument;
+  const cudaStream_t stream_ = AsStream(stream);
+  DeviceGuard guard(stream_);
+  DSPARK_DISPATCH_FLOAT(p.dtype, return Launch<scalar_t>(p, stream_););
+  return Status::kUnsupported;
+}
+
+}  // namespace dspark

@@ -1,0 +1,615 @@
+// verify_attention on the GPU: tree-free ragged attention over the paged KV cache (DESIGN §5).
+// Semantics: reference.verify_attention.
+//
+// Tensor-core path (float16 / bfloat16, head_dim 64 or 128), three launches:
+//   1. AttnPlanKernel (one block) reads cu_q / kv_lens on the device (the host never sees them:
+//      no sync) and decides the split-KV factor of every request: no split when the
+//      (request, KV head, 64-row tile) units already fill the GPU, otherwise each unit's KV range
+//      is cut into near-equal pieces so that the pieces fill it about once.
+//   2. AttnKernel (persistent, 4 warps): work item = (request, KV head, 64-row query tile, KV
+//      split). The rows of a tile are the (query, group member) pairs of ONE KV head packed
+//      together (row = i * group + g), so every K/V page is read once per KV head, not once per
+//      query head. S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation;
+//      K/V tiles of 64 keys stream through a two-stage cp.async pipeline (page lookups per key
+//      row, so any page size works); online softmax in the exp2 domain. Unsplit items write the
+//      output; split items write (O / l, log2-sum-exp) partials.
+//   3. AttnMergeKernel: log-sum-exp merge of the partials of split items.
+// Other head dims and float32 take AttnSimtKernel, a plain CUDA-core kernel (a warp per query
+// and head) meant for correctness, not speed.
+//
+// NOTE: keys at or beyond a request's kv_len are never read (zero-filled instead), so pages or
+// slots the request does not own may hold anything, NaN included.
+#include "verify_attention.h"
+
+#include <algorithm>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+
+namespace dspark::cuda {
+namespace {
+
+constexpr int kBlockM = 64;  // packed query rows per tile (16 per warp)
+constexpr int kBlockN = 64;  // keys per KV tile
+constexpr int kThreads = 128;
+constexpr int kMinSplitTiles = 2;  // a split covers at least 128 keys
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct AttnArgs {
+  const void* q;
+  const int32_t* cu_q;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_tables;
+  const int32_t* kv_lens;
+  void* out;
+  float* part_o;    // [slots, kBlockM, head_dim]
+  float* part_lse;  // [slots, kBlockM], log2 domain
+  int* item_off;    // [R + 1] first work item of each request; [R] = total
+  int* split;       // [R] KV splits of each (request, head, tile)
+  int* slot_off;    // [R + 1] first partial slot of each request
+  int* merge_off;   // [R + 1] first merge unit of each request
+  int R, h_q, h_kv, group, head_dim, page_size, max_pages, num_pages;
+  bool causal;
+  float scale_log2;  // scale * log2(e)
+};
+
+// Everything a work item needs about its request.
+struct ReqInfo {
+  int q0, n, L, rows, mtiles;
+};
+
+__device__ __forceinline__ ReqInfo LoadReq(const AttnArgs& a, int r) {
+  ReqInfo ri;
+  ri.q0 = a.cu_q[r];
+  ri.n = a.cu_q[r + 1] - ri.q0;
+  ri.L = a.kv_lens[r];
+  ri.rows = ri.n * a.group;
+  ri.mtiles = ri.n > 0 ? (ri.rows + kBlockM - 1) / kBlockM : 0;
+  return ri;
+}
+
+// Last r with off[r] <= x (off non-decreasing, off[0] = 0 <= x < off[R]).
+__device__ __forceinline__ int FindOwner(const int* off, int R, int x) {
+  int lo = 0, hi = R - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (off[mid] <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Exclusive block scan of one int per thread (blockDim.x = 1024); returns the block total.
+__device__ __forceinline__ int BlockExclusiveScan(int v, int* excl, int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = warp_sums[lane];
+    int wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += y;
+    }
+    warp_sums[lane] = wi - w;  // exclusive prefix of warp totals
+    if (lane == 31) warp_sums[32] = wi;
+  }
+  __syncthreads();
+  *excl = warp_sums[warp] + incl - v;
+  const int total = warp_sums[32];
+  __syncthreads();
+  return total;
+}
+
+// ---- 1: plan ----------------------------------------------------------------------------------
+__global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ctas) {
+  __shared__ int warp_sums[33];
+  __shared__ long long red[2][32];
+  __shared__ int chunk_s;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Units U = sum h_kv * mtiles and work W = sum h_kv * mtiles * kv_tiles (in KV tiles).
+  long long U = 0, W = 0;
+  for (int r = tid; r < a.R; r += 1024) {
+    const ReqInfo ri = LoadReq(a, r);
+    const long long units = static_cast<long long>(a.h_kv) * ri.mtiles;
+    U += units;
+    W += units * ((ri.L + kBlockN - 1) / kBlockN);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    U += __shfl_xor_sync(0xffffffffu, U, o);
+    W += __shfl_xor_sync(0xffffffffu, W, o);
+  }
+  if (lane == 0) {
+    red[0][warp] = U;
+    red[1][warp] = W;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    long long u = 0, w = 0;
+    for (int i = 0; i < 32; ++i) {
+      u += red[0][i];
+      w += red[1][i];
+    }
+    long long chunk = 0x7fffffff;
+    if (u < target_ctas) chunk = std::max<long long>(kMinSplitTiles, (w + target_ctas - 1) / target_ctas);
+    chunk_s = static_cast<int>(std::min<long long>(chunk, 0x7fffffff));
+  }
+  __syncthreads();
+  const int chunk = chunk_s;
+  int carry_items = 0, carry_slots = 0, carry_merges = 0;
+  for (int base = 0; base < a.R; base += 1024) {
+    const int r = base + tid;
+    int items = 0, slots = 0, merges = 0, S = 1;
+    if (r < a.R) {
+      const ReqInfo ri = LoadReq(a, r);
+      const int tiles = (ri.L + kBlockN - 1) / kBlockN;
+      if (chunk != 0x7fffffff) S = max(1, (tiles + chunk - 1) / chunk);
+      items = a.h_kv * ri.mtiles * S;
+      slots = S > 1 ? items : 0;
+      merges = S > 1 ? a.h_kv * ri.mtiles : 0;
+      a.split[r] = S;
+    }
+    int e_items, e_slots, e_merges;
+    const int t_items = BlockExclusiveScan(items, &e_items, warp_sums);
+    const int t_slots = BlockExclusiveScan(slots, &e_slots, warp_sums);
+    const int t_merges = BlockExclusiveScan(merges, &e_merges, warp_sums);
+    if (r < a.R) {
+      a.item_off[r] = carry_items + e_items;
+      a.slot_off[r] = carry_slots + e_slots;
+      a.merge_off[r] = carry_merges + e_merges;
+    }
+    carry_items += t_items;
+    carry_slots += t_slots;
+    carry_merges += t_merges;
+  }
+  if (tid == 0) {
+    a.item_off[a.R] = carry_items;
+    a.slot_off[a.R] = carry_slots;
+    a.merge_off[a.R] = carry_merges;
+  }
+}
+
+// ---- 2: attention tiles -----------------------------------------------------------------------
+// Shared-memory tiles are [64 rows][HD] 16-bit, 16-byte chunks XOR-swizzled by row so that
+// ldmatrix (8 rows x 16 bytes) and cp.async rows hit all 32 banks.
+template <int HD>
+__device__ __forceinline__ int Swz(int row, int chunk) {
+  return row * HD + ((chunk ^ (row & 7)) << 3);
+}
+
+template <class T, int HD>
+__device__ __forceinline__ void LoadKvTile(const AttnArgs& a, T* sk, T* sv, int r, int h, int key0, int key_hi) {
+  constexpr int kChunks = HD / 8;
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  const int32_t* bt = a.block_tables + static_cast<int64_t>(r) * a.max_pages;
+#pragma unroll
+  for (int it = 0; it < kBlockN * kChunks / kThreads; ++it) {
+    const int idx = it * kThreads + threadIdx.x;
+    const int row = idx / kChunks, ch = idx % kChunks;
+    const int key = key0 + row;
+    bool valid = key < key_hi && key / a.page_size < a.max_pages;
+    int64_t off = 0;
+    if (valid) {
+      // NOTE: a page index outside the cache (bad metadata) reads zeros instead of faulting.
+      const int page = __ldg(bt + key / a.page_size);
+      valid = page >= 0 && page < a.num_pages;
+      off = valid ? ((static_cast<int64_t>(page) * a.page_size + key % a.page_size) * a.h_kv + h) * HD + ch * 8 : 0;
+    }
+    const int so = Swz<HD>(row, ch);
+    CpAsync16(SmemAddr(sk + so), kc + off, valid ? 16 : 0);
+    CpAsync16(SmemAddr(sv + so), vc + off, valid ? 16 : 0);
+  }
+}
+
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
+  constexpr int kChunks = HD / 8;
+  constexpr int kDTiles = HD / 8;  // n-tiles of the output
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // [Q | K stage 0 | K stage 1 | V stage 0 | V stage 1], each [64][HD]. NOTE: stage pointers are
+  // computed, not kept in an array, which a run-time index would move to local memory.
+  T* sq = reinterpret_cast<T*>(smem_raw);
+  auto sk = [&](int stage) { return sq + (kBlockM + stage * kBlockN) * HD; };
+  auto sv = [&](int stage) { return sq + (kBlockM + (2 + stage) * kBlockN) * HD; };
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int total = a.item_off[a.R];
+
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    // ---- decode the work item ----
+    const int r = FindOwner(a.item_off, a.R, item);
+    const ReqInfo ri = LoadReq(a, r);
+    const int S = a.split[r];
+    const int local = item - a.item_off[r];
+    const int mt = local % ri.mtiles, rest = local / ri.mtiles;
+    const int s = rest % S, h = rest / S;
+    const int row0 = mt * kBlockM;
+    const int rows_here = min(kBlockM, ri.rows - row0);
+    const int i_max = (row0 + rows_here - 1) / a.group;
+    const int kv_end = a.causal ? min(ri.L, ri.L - ri.n + i_max + 1) : ri.L;
+    const int tiles = (kv_end + kBlockN - 1) / kBlockN;
+    const int tb = static_cast<int>(static_cast<int64_t>(s) * tiles / S);
+    const int te = static_cast<int>(static_cast<int64_t>(s + 1) * tiles / S);
+    const int key_hi = min(te * kBlockN, kv_end);
+
+    __syncthreads();  // the previous item is done with every tile
+    // ---- Q tile: packed row p = (query i, group member gg) ----
+    {
+      const T* qg = static_cast<const T*>(a.q);
+#pragma unroll
+      for (int it = 0; it < kBlockM * kChunks / kThreads; ++it) {
+        const int idx = it * kThreads + threadIdx.x;
+        const int p = idx / kChunks, ch = idx % kChunks;
+        const bool valid = p < rows_here;
+        int64_t off = 0;
+        if (valid) {
+          const int i = (row0 + p) / a.group, gg = (row0 + p) % a.group;
+          off = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD + ch * 8;
+        }
+        CpAsync16(SmemAddr(sq + Swz<HD>(p, ch)), qg + off, valid ? 16 : 0);
+      }
+    }
+    if (tb < te) LoadKvTile<T, HD>(a, sk(0), sv(0), r, h, tb * kBlockN, key_hi);
+    CpAsyncCommit();
+
+    // Rows of this thread: p0 = warp * 16 + g and p0 + 8; their query positions (causal mask).
+    const int p0 = warp * 16 + g;
+    const bool warp_active = warp * 16 < rows_here;
+    const int qpos0 = ri.L - ri.n + (row0 + p0) / a.group;
+    const int qpos1 = ri.L - ri.n + (row0 + p0 + 8) / a.group;
+    const int qpos_min_warp = ri.L - ri.n + (row0 + warp * 16) / a.group;
+    float m0 = -kInfF, m1 = -kInfF, l0 = 0.f, l1 = 0.f;
+    float o[kDTiles][4];
+#pragma unroll
+    for (int dn = 0; dn < kDTiles; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+
+    for (int tile = tb; tile < te; ++tile) {
+      const int stage = (tile - tb) & 1;
+      if (tile + 1 < te) {
+        LoadKvTile<T, HD>(a, sk(stage ^ 1), sv(stage ^ 1), r, h, (tile + 1) * kBlockN, key_hi);
+        CpAsyncCommit();
+        CpAsyncWait<1>();
+      } else {
+        CpAsyncWait<0>();
+      }
+      __syncthreads();
+      if (warp_active) {
+        const int kb = tile * kBlockN;
+        // ---- S = Q K^T (16 rows x 64 keys per warp) ----
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        const int mi = lane >> 3, r8 = lane & 7;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          uint32_t qa[4];
+          LdMatrixX4(qa, SmemAddr(sq + Swz<HD>(warp * 16 + (mi & 1) * 8 + r8, kk * 2 + (mi >> 1))));
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            uint32_t kb4[4];
+            LdMatrixX4(kb4, SmemAddr(sk(stage) + Swz<HD>(np * 16 + (mi >> 1) * 8 + r8, kk * 2 + (mi & 1))));
+            Mma16816<T>(acc[2 * np], qa[0], qa[1], qa[2], qa[3], kb4[0], kb4[1]);
+            Mma16816<T>(acc[2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb4[2], kb4[3]);
+          }
+        }
+        // ---- scale, mask, online softmax (exp2 domain) ----
+        const bool need_mask = kb + kBlockN > key_hi || (a.causal && kb + kBlockN - 1 > qpos_min_warp);
+        float mx0 = -kInfF, mx1 = -kInfF;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float v = acc[nt][e] * a.scale_log2;
+            if (need_mask) {
+              const int key = kb + nt * 8 + 2 * t + (e & 1);
+              const int qpos = e < 2 ? qpos0 : qpos1;
+              if (key >= key_hi || (a.causal && key > qpos)) v = -kInfF;
+            }
+            acc[nt][e] = v;
+          }
+          mx0 = fmaxf(mx0, fmaxf(acc[nt][0], acc[nt][1]));
+          mx1 = fmaxf(mx1, fmaxf(acc[nt][2], acc[nt][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        // A row with every key masked so far keeps m = -inf; exponents use 0 instead so that
+        // exp2(-inf - 0) = 0 rather than NaN.
+        const float mu0 = mn0 == -kInfF ? 0.f : mn0, mu1 = mn1 == -kInfF ? 0.f : mn1;
+        const float al0 = exp2f(m0 - mu0), al1 = exp2f(m1 - mu1);
+        m0 = mn0;
+        m1 = mn1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          acc[nt][0] = exp2f(acc[nt][0] - mu0);
+          acc[nt][1] = exp2f(acc[nt][1] - mu0);
+          acc[nt][2] = exp2f(acc[nt][2] - mu1);
+          acc[nt][3] = exp2f(acc[nt][3] - mu1);
+          rs0 += acc[nt][0] + acc[nt][1];
+          rs1 += acc[nt][2] + acc[nt][3];
+        }
+        l0 = l0 * al0 + rs0;
+        l1 = l1 * al1 + rs1;
+#pragma unroll
+        for (int dn = 0; dn < kDTiles; ++dn) {
+          o[dn][0] *= al0;
+          o[dn][1] *= al0;
+          o[dn][2] *= al1;
+          o[dn][3] *= al1;
+        }
+        // ---- O += P V: P straight from the S accumulators (C layout = A layout) ----
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          const uint32_t pa0 = PackPair<T>(acc[2 * kk][0], acc[2 * kk][1]);
+          const uint32_t pa1 = PackPair<T>(acc[2 * kk][2], acc[2 * kk][3]);
+          const uint32_t pa2 = PackPair<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+          const uint32_t pa3 = PackPair<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+#pragma unroll
+          for (int dp = 0; dp < HD / 16; ++dp) {
+            uint32_t vb[4];
+            LdMatrixX4Trans(vb, SmemAddr(sv(stage) + Swz<HD>(kk * 16 + (mi & 1) * 8 + r8, dp * 2 + (mi >> 1))));
+            Mma16816<T>(o[2 * dp], pa0, pa1, pa2, pa3, vb[0], vb[1]);
+            Mma16816<T>(o[2 * dp + 1], pa0, pa1, pa2, pa3, vb[2], vb[3]);
+          }
+        }
+      }
+      __syncthreads();  // this stage is refilled two iterations from now
+    }
+    CpAsyncWait<0>();  // an empty split loaded Q only: let it land before sq is reused
+
+    // ---- epilogue ----
+    if (!warp_active) continue;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const bool ok0 = p0 < rows_here, ok1 = p0 + 8 < rows_here;
+    if (S == 1) {
+      T* og = static_cast<T*>(a.out);
+      int64_t base0 = 0, base1 = 0;
+      if (ok0) {
+        const int i = (row0 + p0) / a.group, gg = (row0 + p0) % a.group;
+        base0 = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD;
+      }
+      if (ok1) {
+        const int i = (row0 + p0 + 8) / a.group, gg = (row0 + p0 + 8) % a.group;
+        base1 = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD;
+      }
+#pragma unroll
+      for (int dn = 0; dn < kDTiles; ++dn) {
+        const int d = dn * 8 + 2 * t;
+        if (ok0) *reinterpret_cast<uint32_t*>(og + base0 + d) = PackPair<T>(o[dn][0] * inv0, o[dn][1] * inv0);
+        if (ok1) *reinterpret_cast<uint32_t*>(og + base1 + d) = PackPair<T>(o[dn][2] * inv1, o[dn][3] * inv1);
+      }
+    } else {
+      const int64_t slot = a.slot_off[r] + local;
+      float* po = a.part_o + slot * kBlockM * HD;
+#pragma unroll
+      for (int dn = 0; dn < kDTiles; ++dn) {
+        const int d = dn * 8 + 2 * t;
+        if (ok0) *reinterpret_cast<float2*>(po + p0 * HD + d) = make_float2(o[dn][0] * inv0, o[dn][1] * inv0);
+        if (ok1) *reinterpret_cast<float2*>(po + (p0 + 8) * HD + d) = make_float2(o[dn][2] * inv1, o[dn][3] * inv1);
+      }
+      if (t == 0) {
+        float* pl = a.part_lse + slot * kBlockM;
+        if (ok0) pl[p0] = l0 > 0.f ? m0 + log2f(l0) : -kInfF;
+        if (ok1) pl[p0 + 8] = l1 > 0.f ? m1 + log2f(l1) : -kInfF;
+      }
+    }
+  }
+}
+
+// ---- 3: merge of split partials -------------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(kThreads) AttnMergeKernel(AttnArgs a) {
+  const int total = a.merge_off[a.R];
+  const int HD = a.head_dim, d4n = HD / 4;
+  for (int u = blockIdx.x; u < total; u += gridDim.x) {
+    const int r = FindOwner(a.merge_off, a.R, u);
+    const ReqInfo ri = LoadReq(a, r);
+    const int S = a.split[r];
+    const int local = u - a.merge_off[r];
+    const int mt = local % ri.mtiles, h = local / ri.mtiles;
+    const int row0 = mt * kBlockM, rows_here = min(kBlockM, ri.rows - row0);
+    for (int idx = threadIdx.x; idx < rows_here * d4n; idx += kThreads) {
+      const int p = idx / d4n, d = (idx - p * d4n) * 4;
+      float lmax = -kInfF;
+      for (int s = 0; s < S; ++s) {
+        const int64_t slot = a.slot_off[r] + static_cast<int64_t>(h * S + s) * ri.mtiles + mt;
+        lmax = fmaxf(lmax, a.part_lse[slot * kBlockM + p]);
+      }
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float wsum = 0.f;
+      if (lmax != -kInfF) {
+        for (int s = 0; s < S; ++s) {
+          const int64_t slot = a.slot_off[r] + static_cast<int64_t>(h * S + s) * ri.mtiles + mt;
+          const float w = exp2f(a.part_lse[slot * kBlockM + p] - lmax);
+          if (w == 0.f) continue;  // an empty split's O is 0 but skip it anyway
+          const float4 ov = *reinterpret_cast<const float4*>(a.part_o + (slot * kBlockM + p) * HD + d);
+          acc.x += w * ov.x;
+          acc.y += w * ov.y;
+          acc.z += w * ov.z;
+          acc.w += w * ov.w;
+          wsum += w;
+        }
+      }
+      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+      const int i = (row0 + p) / a.group, gg = (row0 + p) % a.group;
+      T* dst = static_cast<T*>(a.out) + (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD + d;
+      Store4(dst, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    }
+  }
+}
+
+// ---- fallback: CUDA cores, any dtype, head_dim <= 256 -----------------------------------------
+// Block = (request, query head); warp = one query at a time; lanes take 32 keys at a time for
+// q.k, then the whole warp accumulates P V with lane-owned dims.
+constexpr int kSimtMaxHd = 256;
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) AttnSimtKernel(AttnArgs a) {
+  __shared__ float qs[kThreads / 32][kSimtMaxHd];
+  const int r = blockIdx.x, hq = blockIdx.y, h = hq / a.group;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, HD = a.head_dim;
+  const ReqInfo ri = LoadReq(a, r);
+  const T* qg = static_cast<const T*>(a.q);
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  const int32_t* bt = a.block_tables + static_cast<int64_t>(r) * a.max_pages;
+  const float scale = a.scale_log2 / kLog2e;
+  for (int i = warp; i < ri.n; i += kThreads / 32) {
+    const T* qrow = qg + (static_cast<int64_t>(ri.q0 + i) * a.h_q + hq) * HD;
+    for (int d = lane; d < HD; d += 32) qs[warp][d] = ToFloat(qrow[d]) * scale;
+    __syncwarp();
+    const int kv_end = a.causal ? ri.L - ri.n + i + 1 : ri.L;
+    float m = -kInfF, l = 0.f, o[kSimtMaxHd / 32] = {};
+    for (int kb = 0; kb < kv_end; kb += 32) {
+      const int key = kb + lane;
+      const bool valid = key < kv_end;
+      int64_t off = 0;
+      float s = -kInfF;
+      const int page = valid && key / a.page_size < a.max_pages ? bt[key / a.page_size] : -1;
+      if (page >= 0 && page < a.num_pages) {
+        off = ((static_cast<int64_t>(page) * a.page_size + key % a.page_size) * a.h_kv + h) * HD;
+        float acc = 0.f;
+        for (int d = 0; d < HD; ++d) acc = fmaf(qs[warp][d], ToFloat(kc[off + d]), acc);
+        s = acc;
+      } else if (valid) {
+        s = 0.f;  // bad metadata: a zero key and value, as on the tensor-core path
+        off = -1;
+      }
+      const float mn = fmaxf(m, WarpMax(s));  // finite: key kb is always valid
+      const float alpha = expf(m - mn);  // accurate expf: this path is the float32 reference twin
+      const float p = valid ? expf(s - mn) : 0.f;
+      l = l * alpha + WarpSum(p);
+#pragma unroll
+      for (int j = 0; j < kSimtMaxHd / 32; ++j) o[j] *= alpha;
+      const int nk = min(32, kv_end - kb);
+      for (int jj = 0; jj < nk; ++jj) {
+        const float pj = __shfl_sync(0xffffffffu, p, jj);
+        const int64_t oj = __shfl_sync(0xffffffffu, off, jj);
+        if (oj < 0) continue;
+#pragma unroll
+        for (int j = 0; j < kSimtMaxHd / 32; ++j) {
+          const int d = lane + 32 * j;
+          if (d < HD) o[j] = fmaf(pj, ToFloat(vc[oj + d]), o[j]);
+        }
+      }
+      m = mn;
+    }
+    T* orow = static_cast<T*>(a.out) + (static_cast<int64_t>(ri.q0 + i) * a.h_q + hq) * HD;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int j = 0; j < kSimtMaxHd / 32; ++j) {
+      const int d = lane + 32 * j;
+      if (d < HD) orow[d] = FromFloat<T>(o[j] * inv);
+    }
+    __syncwarp();  // qs is rewritten for the next query
+  }
+}
+
+// ---- host ------------------------------------------------------------------------------------
+template <class T, int HD>
+Status LaunchTensorCore(AttnArgs a, const DeviceLimits& lim, cudaStream_t stream) {
+  auto kernel = AttnKernel<T, HD>;
+  const int smem = (kBlockM + 4 * kBlockN) * HD * static_cast<int>(sizeof(T));
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    return Status::kCudaError;
+  }
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+    return Status::kCudaError;
+  }
+  const int target = std::max(1, per_sm) * lim.sm_count;
+  Scratch scratch(stream);
+  Status st;
+  int* plan = nullptr;
+  const size_t n1 = static_cast<size_t>(a.R) + 1;
+  if ((st = scratch.Get(4 * n1, &plan)) != Status::kOk) return st;
+  a.item_off = plan;
+  a.split = plan + n1;
+  a.slot_off = plan + 2 * n1;
+  a.merge_off = plan + 3 * n1;
+  // Split slots never exceed units + target < 2 * target (see AttnPlanKernel).
+  const size_t slots = 2 * static_cast<size_t>(target);
+  if ((st = scratch.Get(slots * kBlockM * HD, &a.part_o)) != Status::kOk) return st;
+  if ((st = scratch.Get(slots * kBlockM, &a.part_lse)) != Status::kOk) return st;
+  AttnPlanKernel<<<1, 1024, 0, stream>>>(a, target);
+  if ((st = LaunchStatus()) != Status::kOk) return st;
+  kernel<<<target, kThreads, smem, stream>>>(a);
+  if ((st = LaunchStatus()) != Status::kOk) return st;
+  AttnMergeKernel<T><<<target, kThreads, 0, stream>>>(a);
+  return LaunchStatus();
+}
+
+template <class T>
+Status Launch(const VerifyAttentionParams& p, cudaStream_t stream) {
+  DeviceLimits lim;
+  if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
+  AttnArgs a{};
+  a.q = p.q;
+  a.cu_q = p.cu_q;
+  a.k_cache = p.k_cache;
+  a.v_cache = p.v_cache;
+  a.block_tables = p.block_tables;
+  a.kv_lens = p.kv_lens;
+  a.out = p.out;
+  a.R = static_cast<int>(p.R);
+  a.h_q = static_cast<int>(p.h_q);
+  a.h_kv = static_cast<int>(p.h_kv);
+  a.group = static_cast<int>(p.h_q / p.h_kv);
+  a.head_dim = static_cast<int>(p.head_dim);
+  a.page_size = static_cast<int>(p.page_size);
+  a.max_pages = static_cast<int>(p.max_pages);
+  a.num_pages = static_cast<int>(std::min<int64_t>(p.num_pages, 0x7fffffff));
+  a.causal = p.causal;
+  a.scale_log2 = p.scale * kLog2e;
+  if constexpr (sizeof(T) == 2) {
+    const bool aligned = Aligned(p.q, 16) && Aligned(p.k_cache, 16) && Aligned(p.v_cache, 16) && Aligned(p.out, 16);
+    if (aligned && p.head_dim == 128) return LaunchTensorCore<T, 128>(a, lim, stream);
+    if (aligned && p.head_dim == 64) return LaunchTensorCore<T, 64>(a, lim, stream);
+  }
+  if (p.head_dim > kSimtMaxHd) return Status::kUnsupported;
+  if (p.R > 0x7fffffff || p.h_q > 65535) return Status::kUnsupported;
+  AttnSimtKernel<T><<<dim3(static_cast<unsigned>(p.R), static_cast<unsigned>(p.h_q)), kThreads, 0, stream>>>(a);
+  return LaunchStatus();
+}
+
+}  // namespace
+}  // namespace dspark::cuda
+
+namespace dspark {
+
+Status VerifyAttentionCuda(const VerifyAttentionParams& p, void* stream) {
+  using namespace dspark::cuda;
+  if (p.R < 0 || p.h_q < 1 || p.h_kv < 1 || p.h_q % p.h_kv != 0 || p.head_dim < 1 || p.page_size < 1 ||
+      p.num_pages < 0 || p.max_pages < 0) {
+    return Status::kBadArgument;
+  }
+  if (p.R == 0) return Status::kOk;
+  if (!p.q || !p.cu_q || !p.k_cache || !p.v_cache || !p.kv_lens || !p.out || (p.max_pages > 0 && !p.block_tables)) {
+    return Status::kBadArgument;
+  }
+  if (p.R >= (1ll << 24) || p.h_q * p.head_dim > (1ll << 24) || p.page_size > (1ll << 24) ||
+      p.max_pages * p.page_size > (1ll << 30)) {
+    return Status::kUnsupported;
+  }
+  const cudaStream_t s = AsStream(stream);
+  DeviceGuard guard(s);
+  DSPARK_DISPATCH_FLOAT(p.dtype, return Launch<scalar_t>(p, s););
+  return Status::kUnsupported;
+}
+
+}  // namespace dspark

@@ -1,0 +1,368 @@
+"""The C++ CPU backend against the PyTorch reference (the spec) on fresh random inputs.
+
+Integer outputs (tokens, accepted counts, emitted tokens, lengths) must match exactly. Float
+outputs: float64 must agree to ~1e-12 relative (both sides compute in double and differ only by
+summation order over <= a few thousand terms, ~1e-13). float32 follows the STYLE rule
+"no worse than 2x a same-precision PyTorch result": the error of the C++ result against the
+float64 reference on the same (float32-rounded) inputs may be at most twice the float32
+reference's own error, plus a floor of a few ulps for last-bit rounding (both sides round
+sums of similar length; neither is more accurate by design).
+"""
+import math
+
+import pytest
+import torch
+
+from dspark_rt import ops
+from dspark_rt.ops import philox, reference
+
+from . import op_cases as oc
+
+pytestmark = pytest.mark.skipif("cpp" not in ops.available_backends(),
+                                reason="the C++ extension is not built")
+DTYPES = [torch.float64, torch.float32]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _clone(kw):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+def _close(got, ref32, ref64, what, floor_ulps=4):
+    """float32 rule of the module docstring; float64 (ref32 is None): 1e-12 of the scale."""
+    got, ref64 = got.double(), ref64.double()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref64)), f"{what}: NaN positions differ"
+    fin = torch.isfinite(ref64)
+    if not fin.any():
+        return
+    err = (got - ref64)[fin].abs().max().item()
+    scale = ref64[fin].abs().max().item()
+    if ref32 is None:
+        tol = 1e-12 * (1 + scale)
+    else:
+        tol = 2 * (ref32.double() - ref64)[fin].abs().max().item() + floor_ulps * EPS32 * scale
+    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (scale {scale:.3g})"
+
+
+# --------------------------------------------------------------------------------------------
+# markov_sample
+
+def _markov(kw, backend):
+    kw = _clone(kw)
+    logits = kw.pop("logits")
+    out = ops.markov_sample(logits, kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"),
+                            backend=backend, **kw)
+    return (logits, *out)  # z, tokens, logprob, lse, conf
+
+
+def _score(kw, z, r, k):
+    """The float64 score the sampler maximises at (request r, step k), given that step's z."""
+    T = float(kw["temperature"][r])
+    if T == 0:
+        return z.double()
+    g = philox.gumbel(kw["seed"][r], kw["stream"][r], kw["round_"][r], philox.PURPOSE_DRAFT,
+                      k + 1, torch.arange(z.shape[0]))
+    return z.double() / T + g
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", oc.MARKOV_CASES, ids=str)
+def test_markov_sample(case, dtype):
+    kw = oc.markov_inputs(case, dtype=dtype)
+    where = oc.where(case)
+    z, tok, lp, lse, conf = _markov(kw, "cpp")
+    rz, rtok, rlp, rlse, rconf = _markov(kw, "reference")
+    # Greedy steps are argmax of the returned z, structurally (no reference needed).
+    greedy = kw["temperature"] == 0
+    if greedy.any():
+        assert torch.equal(tok[greedy], z[greedy].double().nan_to_num(-math.inf).argmax(-1)), where
+    # Steps to compare per request: all, unless a float32 near-tie made the paths split.
+    upto = [case.gamma] * case.R
+    for r in range(case.R):
+        diff = (tok[r] != rtok[r]).nonzero()
+        if not len(diff):
+            continue
+        k = int(diff[0])
+        assert dtype == torch.float32, f"float64 tokens differ at request {r} step {k}: {where}"
+        # A float32 split is legitimate only at a near-tie of the reference's own scores:
+        # z differs by a few ulps of the row's largest |z| (argued below), so the two winners'
+        # scores must lie within that of each other.
+        s = _score(kw, rz[r, k], r, k)
+        T = float(kw["temperature"][r]) or 1.0
+        gap = abs(float(s[rtok[r, k]] - s[tok[r, k]]))
+        tie = 64 * EPS32 * float(rz[r, k].abs().max()) / T
+        assert gap <= tie, (f"request {r} step {k}: token {int(tok[r, k])} vs reference "
+                            f"{int(rtok[r, k])}, score gap {gap:.3g} > {tie:.3g}: {where}")
+        upto[r] = k + 1  # z and lse of step k still share the same history; logprob does not
+    assert sum(u < case.gamma for u in upto) <= max(1, case.R // 2), f"too many near-ties: {where}"
+    if dtype == torch.float64:
+        ref32 = None
+        r64 = (rz, rlp, rlse, rconf)
+    else:  # the float32 reference's own error, measured against float64 on the same inputs
+        kw64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.dtype == torch.float32
+                    and k != "temperature" else v) for k, v in kw.items()}
+        r64 = _markov(kw64, "reference")
+        r64 = (r64[0], r64[2], r64[3], r64[4])
+        ref32 = (rz, rlp, rlse, rconf)
+    steps = torch.arange(case.gamma)[None, :]
+    upto = torch.tensor(upto)[:, None]
+    for name, got, i in (("z", z, 0), ("lse", lse, 2), ("conf_logit", conf, 3), ("logprob", lp, 1)):
+        # logprob of a split step is of two different tokens: compare it only before the split
+        mask = steps < (upto if name != "logprob" else torch.where(upto < case.gamma, upto - 1, upto))
+        if mask.any():
+            _close(got[mask], None if ref32 is None else ref32[i][mask], r64[i][mask],
+                   f"{name}: {where}")
+
+
+# --------------------------------------------------------------------------------------------
+# rejection_sample
+
+def _rejection(kw, backend):
+    kw = _clone(kw)
+    return ops.rejection_sample(kw.pop("target_logits"), kw.pop("cu_rows"), kw.pop("draft_tokens"),
+                                kw.pop("draft_logits"), kw.pop("draft_lse"), backend=backend, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", oc.REJECTION_CASES, ids=str)
+def test_rejection_sample(case, dtype):
+    # The reference upcasts to float64 and so does the kernel: tokens match exactly for both.
+    for key in range(3):
+        kw = oc.rejection_inputs(case, dtype=dtype, key=key)
+        acc, out = _rejection(kw, "cpp")
+        racc, rout = _rejection(kw, "reference")
+        assert torch.equal(acc, racc) and torch.equal(out, rout), oc.where(case, key)
+
+
+def test_rejection_greedy_structural():
+    """Greedy: accepted = longest prefix equal to the target's argmax; then the argmax."""
+    g = oc.generator("greedy-structural")
+    R, G, V = 64, 7, 50
+    ells = torch.randint(0, G + 1, (R,), generator=g)
+    cu = torch.zeros(R + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(ells + 1, 0)
+    target = torch.randn(int(cu[-1]), V, generator=g)
+    best = target.argmax(-1)
+    drafts = torch.randint(0, V, (R, G), generator=g)
+    want = torch.randint(0, G + 1, (R,), generator=g).minimum(ells)
+    for r in range(R):
+        lo = int(cu[r])
+        drafts[r, :want[r]] = best[lo:lo + want[r]]
+        if want[r] < ells[r]:
+            drafts[r, want[r]] = (best[lo + want[r]] + 1) % V
+    zeros = torch.zeros(R, dtype=torch.int64)
+    acc, out = ops.rejection_sample(target, cu, drafts, torch.randn(R, G, V), torch.zeros(R, G),
+                                    temperature=torch.zeros(R), seed=zeros, stream=zeros,
+                                    round_=zeros, backend="cpp")
+    assert torch.equal(acc.long(), want), oc.where("greedy-structural")
+    for r in range(R):
+        a, lo = int(want[r]), int(cu[r])
+        assert out[r, :a].tolist() == drafts[r, :a].tolist()
+        assert int(out[r, a]) == int(best[lo + a]) and (out[r, a + 1:] == -1).all()
+
+
+def _chi2_pvalue(tokens, P):
+    from scipy.stats import chisquare
+    counts = torch.bincount(tokens, minlength=P.shape[0]).double()
+    return chisquare(counts.numpy(), (P * counts.sum()).numpy()).pvalue
+
+
+def _stat_setup(V, seed, R=40_000, T=0.7):
+    """One draft (gamma = 1) against the same target/draft distributions in R requests."""
+    g = torch.Generator().manual_seed(seed)
+    t_row = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5  # rows: position 1, bonus
+    z = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
+    P = torch.softmax(t_row[0] / T, -1)
+    q = torch.softmax(z / T, -1)
+    x = torch.multinomial(q, R, replacement=True, generator=g)
+    return g, P, q, x, t_row, z
+
+
+@pytest.mark.parametrize("V", [4, 5, 6])
+def test_rejection_distribution(V):
+    """T > 0: the first emitted token (accepted draft or residual sample) is distributed as P,
+    whatever the draft distribution q; a deliberately broken sampler fails the same test."""
+    R, T = 40_000, 0.7
+    g, P, q, x, t_row, z = _stat_setup(V, seed=100 + V, R=R, T=T)
+    kw = dict(temperature=torch.full((R,), T), seed=torch.full((R,), 12345 + V),
+              stream=torch.arange(R), round_=torch.zeros(R, dtype=torch.int64))
+    acc, out = ops.rejection_sample(
+        t_row.float().repeat(R, 1), torch.arange(0, 2 * R + 1, 2, dtype=torch.int32), x[:, None],
+        z.float().expand(R, 1, V).contiguous(), torch.logsumexp(z.float().double() / T, -1).float().expand(R, 1).contiguous(),
+        backend="cpp", **kw)
+    assert 0 < int(acc.sum()) < R  # both branches taken
+    p = _chi2_pvalue(out[:, 0], P)
+    assert p > 1e-3, f"C++ rejection sampler: chi-square p = {p:.3g} (V={V})"
+    # Broken variants, in Python, on the same draws. Each must be detected.
+    u = torch.rand(R, generator=g, dtype=torch.float64)
+    from_p = torch.multinomial(P, R, replacement=True, generator=g)
+    resid = (P - q).clamp(min=0)
+    from_resid = torch.multinomial(resid / resid.sum(), R, replacement=True, generator=g)
+    ok = u * q[x] < P[x]
+    broken = {
+        "emit from P instead of the residual": torch.where(ok, x, from_p),
+        "accept iff u < q/p": torch.where(u * P[x] < q[x], x, from_resid),
+    }
+    for name, y in broken.items():
+        p_bad = _chi2_pvalue(y, P)
+        assert p_bad < 1e-6, f"the test has no power against '{name}': p = {p_bad:.3g} (V={V})"
+    assert _chi2_pvalue(torch.where(ok, x, from_resid), P) > 1e-3  # the Python twin is right
+
+
+# --------------------------------------------------------------------------------------------
+# prefix_topk
+
+@pytest.mark.parametrize("case", oc.PREFIX_TOPK_CASES, ids=str)
+def test_prefix_topk(case):
+    survival, Ks = oc.prefix_topk_inputs(case)
+    for K in Ks:
+        got = ops.prefix_topk(survival, K, backend="cpp")
+        want = reference.prefix_topk(survival, K)
+        assert torch.equal(got, want), f"K={K}: {got.tolist()} vs {want.tolist()}: {oc.where(case)}"
+
+
+# --------------------------------------------------------------------------------------------
+# verify_attention
+
+def _attention(kw, backend):
+    kw = _clone(kw)
+    return ops.verify_attention(kw.pop("q"), kw.pop("cu_q"), kw.pop("k_cache"), kw.pop("v_cache"),
+                                kw.pop("block_tables"), kw.pop("kv_lens"), backend=backend, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", oc.ATTENTION_CASES, ids=str)
+def test_verify_attention(case, dtype):
+    kw = oc.attention_inputs(case, dtype=dtype)
+    got = _attention(kw, "cpp")
+    ref = _attention(kw, "reference")
+    assert not got.isnan().any(), f"NaN leaked from a page or slot the request does not own: {oc.where(case)}"
+    if dtype == torch.float64:
+        _close(got, None, ref, f"out: {oc.where(case)}")
+    else:
+        kw64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in kw.items()}
+        # Floor of 8 ulps: the kernel's exp (ExpF, ~1 ulp) and torch's (Sleef, <= 1 ulp) may
+        # round differently, on top of summation order over up to a few hundred keys.
+        _close(got, ref, _attention(kw64, "reference"), f"out: {oc.where(case)}", floor_ulps=8)
+
+
+# --------------------------------------------------------------------------------------------
+# determinism, batch order, thread count
+
+def _permute(kw, perm, batch_keys):
+    return {k: (v[perm] if k in batch_keys else v) for k, v in kw.items()}
+
+
+def test_markov_determinism_and_batch_order():
+    case = oc.MarkovCase(6, 5, 3001, "gated", conf="markov", temps="mixed")
+    kw = oc.markov_inputs(case, dtype=torch.float32)
+    a, b = _markov(kw, "cpp"), _markov(kw, "cpp")
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), oc.where(case)
+    perm = torch.randperm(case.R, generator=oc.generator(case, "perm"))
+    keys = {"logits", "hidden", "anchor", "temperature", "seed", "stream", "round_"}
+    c = _markov(_permute(kw, perm, keys), "cpp")
+    # Each request's tokens depend only on its own (seed, stream, round): bit-identical.
+    assert all(torch.equal(x[perm], y) for x, y in zip(a, c)), oc.where(case)
+
+
+def test_rejection_determinism_and_batch_order():
+    case = oc.RejectionCase(9, 5, 300, "full", "mixed")
+    kw = oc.rejection_inputs(case, dtype=torch.float32)
+    a, b = _rejection(kw, "cpp"), _rejection(kw, "cpp")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), oc.where(case)
+    perm = torch.randperm(case.R, generator=oc.generator(case, "perm"))
+    rows = kw["target_logits"].view(case.R, case.gamma + 1, -1)[perm].reshape(-1, case.V)
+    kwp = _permute(kw, perm, {"draft_tokens", "draft_logits", "draft_lse", "temperature", "seed",
+                              "stream", "round_"})
+    kwp["target_logits"] = rows
+    c = _rejection(kwp, "cpp")
+    assert torch.equal(a[0][perm], c[0]) and torch.equal(a[1][perm], c[1]), oc.where(case)
+
+
+def test_results_independent_of_thread_count():
+    mk = oc.markov_inputs(oc.MarkovCase(3, 4, 4099, "rnn", conf="plain"), dtype=torch.float32)
+    at = oc.attention_inputs(oc.AttentionCase((8, 3, 5), (100, 40, 70), 8, 2, 64, 16),
+                             dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (_markov(mk, "cpp"), _attention(at, "cpp"))
+    finally:
+        torch.set_num_threads(threads)
+    many = (_markov(mk, "cpp"), _attention(at, "cpp"))
+    assert all(torch.equal(x, y) for x, y in zip(one[0], many[0]))
+    assert torch.equal(one[1], many[1])
+
+
+# --------------------------------------------------------------------------------------------
+# bad inputs: through the door (OpError naming the argument) and at the binding
+
+def _raises(fn, *words):
+    with pytest.raises(ops.OpError) as e:
+        fn()
+    for w in words:
+        assert w in str(e.value), f"{w!r} not in {str(e.value)!r}"
+
+
+def test_bad_inputs_markov():
+    kw = oc.markov_inputs(oc.MarkovCase(2, 3, 40, "gated", conf="plain"))
+    run = lambda **ch: _markov({**kw, **ch}, "cpp")
+    _raises(lambda: run(logits=kw["logits"].half()), "dtype", "float16")
+    _raises(lambda: run(hidden=kw["hidden"][:, :2]), "hidden", "shape")
+    _raises(lambda: run(anchor=torch.tensor([0, 40])), "anchor")
+    _raises(lambda: run(gate_w=kw["gate_w"][:, 1:]), "gate_w")
+    _raises(lambda: run(temperature=kw["temperature"].double()), "temperature")
+    _raises(lambda: run(seed=kw["seed"][:1]), "seed")
+
+
+def test_bad_inputs_rejection():
+    kw = oc.rejection_inputs(oc.RejectionCase(3, 4, 30, "full"))
+    run = lambda **ch: _rejection({**kw, **ch}, "cpp")
+    _raises(lambda: run(draft_tokens=kw["draft_tokens"] + 30), "draft_tokens")
+    _raises(lambda: run(cu_rows=torch.tensor([0, 5, 9, 15], dtype=torch.int32)), "cu_rows")
+    _raises(lambda: run(cu_rows=kw["cu_rows"].long()), "cu_rows")
+    _raises(lambda: run(draft_lse=kw["draft_lse"].double()), "draft_lse")
+    _raises(lambda: run(draft_logits=kw["draft_logits"][:, :2]), "draft_logits")
+    _raises(lambda: run(target_logits=kw["target_logits"].half()), "dtype", "float16")
+
+
+def test_bad_inputs_attention_and_topk():
+    kw = oc.attention_inputs(oc.AttentionCase((3, 2), (20, 5), 6, 2, 16, 8))
+    run = lambda **ch: _attention({**kw, **ch}, "cpp")
+    bt = kw["block_tables"].clone()
+    bt[0, 0] = 10_000
+    _raises(lambda: run(block_tables=bt), "block_tables")
+    _raises(lambda: run(cu_q=torch.tensor([0, 6, 5], dtype=torch.int32)), "cu_q")
+    _raises(lambda: run(kv_lens=torch.tensor([2, 7], dtype=torch.int32)), "kv_lens")
+    _raises(lambda: run(k_cache=kw["k_cache"][..., :8]), "k_cache")
+    _raises(lambda: run(q=kw["q"][:, :5]), "h_q")
+    _raises(lambda: ops.prefix_topk(torch.rand(3, 4).double(), 2), "survival")
+    _raises(lambda: ops.prefix_topk(torch.rand(3, 4), -1), "K")
+
+
+def test_binding_errors():
+    from dspark_rt import _C
+    info = _C.build_info()
+    assert {"version", "cuda", "cuda_archs", "cuda_version", "compiler", "openmp"} <= set(info)
+    p = _C.MarkovSampleParams()
+    with pytest.raises(ValueError, match="head"):
+        p.head = 4
+    with pytest.raises(ValueError, match="dtype"):
+        p.dtype = -1
+    p.R, p.gamma, p.V = 1, 1, 10  # every pointer null: the launcher refuses, nothing crashes
+    with pytest.raises(ValueError, match="markov_sample.*bad argument"):
+        _C.markov_sample(p, "cpp", 0)
+    q = _C.PrefixTopkParams()
+    with pytest.raises(ValueError, match="backend"):
+        _C.prefix_topk(q, "tpu", 0)
+    if not info["cuda"]:
+        with pytest.raises(RuntimeError, match="prefix_topk: this build has no CUDA kernels"):
+            _C.prefix_topk(q, "cuda", 0)
+    a = _C.VerifyAttentionParams()
+    a.R, a.dtype = 1, 3  # bfloat16: not a CPU dtype
+    with pytest.raises(RuntimeError, match="verify_attention.*unsupported"):
+        _C.verify_attention(a, "cpp", 0)
+    t = torch.zeros(4)
+    a.q = t.data_ptr()
+    assert a.q == t.data_ptr()

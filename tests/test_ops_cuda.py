@@ -1,0 +1,295 @@
+"""The CUDA backend against the PyTorch reference (run on the same GPU, in the same dtype) and,
+for float32, against the C++ backend on CPU copies of the same inputs. Inputs come from
+tests/op_cases.py (fresh every run; DSPARK_TEST_SEED reproduces), plus GPU-sized cases that
+reach the tensor-core paths, several request groups, split-KV and 32k contexts.
+
+Tolerances are in units of the dtype: EPS below is its relative spacing (2^-23 float32, 2^-10
+float16, 2^-7 bfloat16 as an upper bound; one rounding moves a value by at most EPS/2 of it),
+argued next to each check. Integer outputs are exact, with one documented exception: a drafted
+token is the argmax of double scores built from z, and z itself may differ by a rounding between
+backends (the bias is summed in another order), so where the two best scores of a step lie within
+that z difference of each other the backends may pick different tokens. The check then proves
+the tie (the CUDA token's reference score is within the z discrepancy of the best) and stops
+comparing that request, whose later steps legitimately differ.
+"""
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dspark_rt import ops
+from dspark_rt.ops import philox, reference
+
+from . import op_cases as oc
+
+
+def _cuda_ready():
+    return torch.cuda.is_available() and "cuda" in ops.available_backends()
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and a CUDA build of _C")]
+DEV = "cuda"
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+DTYPES = [F32, BF16, F16]
+EPS = {F32: 2.0 ** -23, F16: 2.0 ** -10, BF16: 2.0 ** -7}
+
+
+@pytest.fixture(autouse=True)
+def _exact_reference_matmuls():
+    """The reference's matmuls must accumulate in float32 (no TF32, no reduced-precision split-K
+    reductions), or its own error would exceed the tolerances argued here."""
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
+    m.allow_tf32 = m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
+    yield
+    m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = saved
+
+
+def _has_cpp():
+    return "cpp" in ops.available_backends()
+
+
+def _cpu(kw):
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+# ---- markov_sample ----------------------------------------------------------------------------
+MC = oc.MarkovCase
+MARKOV_CASES = oc.MARKOV_CASES + [
+    MC(6, 5, 32768, "vanilla", rank=256, d=128, conf="markov"),          # tensor cores (16-bit)
+    MC(9, 4, 7001, "gated", rank=128, d=64, conf="plain", temps="greedy"),
+    MC(70, 2, 3000, "vanilla", rank=32, d=32, temps="sampled"),         # two request groups
+    MC(4, 3, 2048, "gated", rank=40, d=24, conf="markov"),              # rank % 32: CUDA cores
+]
+
+
+def _markov_inputs(case, dtype, key=0):
+    kw = oc.markov_inputs(case, DEV, dtype, key=key)
+    if case.V >= 2048:  # a masked vocabulary tail: -inf logits never win and add nothing to lse
+        kw["logits"][..., -37:] = -math.inf
+    return kw
+
+
+def _markov(kw, backend):
+    kw = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    z = kw.pop("logits")
+    args = (z, kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"))
+    if backend == "reference":
+        keys = ("w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b", "conf_w", "conf_b",
+                "temperature", "seed", "stream", "round_")
+        out = reference.markov_sample(*args, *(kw[k] for k in keys))
+    else:
+        out = ops.markov_sample(*args, backend=backend, **kw)
+    return (z, *out)
+
+
+def _check_markov(case, dtype, kw, ref, got, where):
+    z_r, tok_r, lp_r, lse_r, cf_r = (t.to(DEV) for t in ref)
+    z_g, tok_g, lp_g, lse_g, cf_g = (t.to(DEV) for t in got)
+    assert torch.equal(z_r.isnan(), z_g.isnan()) and torch.equal(z_r.isinf(), z_g.isinf()), where
+    # z = round(U + round(bias)): the bias is a float32 sum in another order (~1e-6 relative), its
+    # rounding to the dtype may land one step apart (EPS |bias|), then so may the sum's (EPS |z|).
+    u = kw["logits"].double()
+    fin = torch.isfinite(z_r)
+    zr = z_r.double().where(fin, 0.0)
+    bias = (zr - u.where(fin, 0.0)).abs()
+    dz_all = (zr - z_g.double().where(fin, 0.0)).abs()
+    bound = EPS[dtype] * (zr.abs() + bias) + 1e-5 * (1 + bias)
+    bad = dz_all > bound
+    assert not bad.any(), f"z off by {float((dz_all - bound).max())} beyond tolerance: {where}"
+    dz = dz_all.amax(-1).cpu()  # per step: how far the two z rows are apart
+    temps = kw["temperature"].double().cpu()
+    tok_r, tok_g, lp_r, lp_g = tok_r.cpu(), tok_g.cpu(), lp_r.cpu(), lp_g.cpu()
+    lse_r, lse_g, cf_r, cf_g = lse_r.cpu(), lse_g.cpu(), cf_r.cpu(), cf_g.cpu()
+    for r in range(case.R):
+        t = float(temps[r])
+        ts = t if t > 0 else 1.0
+        for k in range(case.gamma):
+            # lse is smooth in z / T: its error is the z error / T plus a float32 sum over V terms.
+            tol = float(dz[r, k]) / ts + 4e-6 * max(1.0, abs(float(lse_r[r, k])))
+            assert abs(float(lse_g[r, k]) - float(lse_r[r, k])) <= tol, f"lse[{r},{k}]: {where}"
+            # conf = round(round(dot) + b): two roundings of the dtype plus a float32 dot.
+            ctol = 2 * EPS[dtype] * (abs(float(cf_r[r, k])) + 1.0) + 1e-5
+            assert abs(float(cf_g[r, k]) - float(cf_r[r, k])) <= ctol, f"conf[{r},{k}]: {where}"
+            if tok_g[r, k] == tok_r[r, k]:
+                assert abs(float(lp_g[r, k]) - float(lp_r[r, k])) <= 2 * tol, f"logprob[{r},{k}]: {where}"
+                continue
+            s = z_r[r, k].double().nan_to_num(nan=-math.inf)
+            if t > 0:
+                s = s / t + philox.gumbel(kw["seed"][r], kw["stream"][r], kw["round_"][r],
+                                          philox.PURPOSE_DRAFT, k + 1, torch.arange(case.V, device=DEV))
+            gap = float(s.max() - s[int(tok_g[r, k])])
+            assert gap <= 2 * float(dz[r, k]) / ts + 1e-12, \
+                f"request {r} step {k}: token {int(tok_g[r, k])} is {gap:.3g} below the best, no tie: {where}"
+            break  # later steps follow the other (tied) token
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", MARKOV_CASES, ids=str)
+def test_markov_sample(case, dtype):
+    kw = _markov_inputs(case, dtype)
+    where = oc.where(case)
+    try:
+        got = _markov(kw, "cuda")
+    except RuntimeError as e:  # the RNN head: the kernel refuses, the runtime uses the reference
+        assert case.head == "rnn" and "unsupported" in str(e), (e, where)
+        return
+    _check_markov(case, dtype, kw, _markov(kw, "reference"), got, where)
+    if dtype == F32 and _has_cpp():
+        _check_markov(case, dtype, kw, _markov(_cpu(kw), "cpp"), got, where + " (vs cpp)")
+
+
+# ---- rejection_sample -------------------------------------------------------------------------
+RC = oc.RejectionCase
+REJECTION_CASES = oc.REJECTION_CASES + [
+    RC(16, 7, 32000, "random", "sampled"), RC(8, 4, 20000, "random", "greedy"),
+    RC(40, 3, 18992, "full", "mixed"), RC(3, 5, 151936, "random", "mixed"),
+]
+
+
+def _rejection(kw, backend):
+    args = [kw[k] for k in ("target_logits", "cu_rows", "draft_tokens", "draft_logits", "draft_lse")]
+    keys = {k: kw[k] for k in ("temperature", "seed", "stream", "round_")}
+    if backend == "reference":
+        return reference.rejection_sample(*args, *keys.values())
+    return ops.rejection_sample(*args, backend=backend, **keys)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", REJECTION_CASES, ids=str)
+def test_rejection_sample(case, dtype):
+    # Exact: the acceptance tests (u q < P) and the Gumbel argmaxes are decided in float64 on
+    # both sides. Only inputs within ~1e-6 relative of a decision boundary could differ (the CUDA
+    # lse sums float32 exponentials in float64), which random inputs essentially never produce.
+    for key in range(2):
+        kw = oc.rejection_inputs(case, DEV, dtype, key=key)
+        where = oc.where(case, key)
+        acc, out = _rejection(kw, "cuda")
+        racc, rout = _rejection(kw, "reference")
+        assert torch.equal(acc.cpu(), racc.cpu()), (acc, racc, where)
+        assert torch.equal(out.cpu(), rout.cpu()), (out, rout, where)
+        if dtype == F32 and _has_cpp():
+            cacc, cout = _rejection(_cpu(kw), "cpp")
+            assert torch.equal(cacc, acc.cpu()) and torch.equal(cout, out.cpu()), where
+
+
+# ---- prefix_topk ------------------------------------------------------------------------------
+PC = oc.PrefixTopkCase
+PREFIX_TOPK_CASES = oc.PREFIX_TOPK_CASES + [PC(512, 8, "ties"), PC(3000, 5, "nan"), PC(1000, 7)]
+
+
+@pytest.mark.parametrize("case", PREFIX_TOPK_CASES, ids=str)
+def test_prefix_topk(case):
+    survival, Ks = oc.prefix_topk_inputs(case)
+    survival.view(-1)[:: 7] = -0.0  # signed zeros tie with +0.0
+    for K in Ks:
+        want = reference.prefix_topk(survival, K)
+        got = ops.prefix_topk(survival.to(DEV), K, backend="cuda").cpu()
+        assert torch.equal(got, want), (K, got, want, oc.where(case))
+
+
+# ---- verify_attention -------------------------------------------------------------------------
+AC = oc.AttentionCase
+ATTENTION_CASES = [(c, dt) for c in oc.ATTENTION_CASES for dt in DTYPES] + [
+    (AC((1, 3, 0, 5), (16, 37, 9, 295), 8, 2, 128, 16), BF16),             # decode-like
+    (AC((1, 3, 0, 5), (16, 37, 9, 295), 8, 2, 128, 16), F16),
+    (AC((4, 2), (60, 63), 12, 4, 64, 7), BF16),                              # GQA 3, odd pages
+    (AC((4, 2), (60, 63), 12, 4, 64, 7, causal=False), F16),
+    (AC((2, 6, 1), (30, 26, 47), 4, 4, 128, 16), BF16),                      # group 1, page edges
+    (AC((4, 1), (32764, 32768), 8, 1, 128, 64), BF16),                       # 32k: split-KV
+    (AC((300,), (0,), 8, 2, 64, 32), BF16),                                  # prefill, 19 tiles
+    (AC((8,) * 40, (4088,) * 40, 32, 8, 128, 16, extra_pages=0), BF16),     # fills the GPU
+    (AC((3, 7), (17, 63), 6, 2, 96, 16), BF16),                              # CUDA-core head_dim
+]
+
+
+@pytest.mark.parametrize("case,dtype", ATTENTION_CASES, ids=lambda x: str(x))
+def test_verify_attention(case, dtype):
+    big = sum(case.ctx) * case.h_kv * case.head_dim > 2 ** 24
+    kw = oc.attention_inputs(case, DEV, dtype, gen_device=DEV if big else "cpu")
+    where = oc.where(case)
+    args = [kw[k] for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")]
+    ref = reference.verify_attention(*args, kw["causal"], kw["scale"])
+    got = ops.verify_attention(*args, causal=kw["causal"], scale=kw["scale"], backend="cuda")
+    assert not got.isnan().any(), where
+    # out = sum_i p_i v_i / l: the tensor-core path rounds p to the dtype before P V (EPS/2
+    # relative per term, so at most EPS/2 max|v|), rounds out once (EPS/2 |out|) and sums the
+    # float32 softmax in another order (~1e-6). Twice that.
+    vmax = float(kw["v_cache"].nan_to_num(0).abs().max())
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * EPS[dtype],
+                               atol=EPS[dtype] * vmax + 1e-5, msg=lambda m: f"{m}\n{where}")
+    if dtype == F32 and _has_cpp():
+        cpu = ops.verify_attention(*[a.cpu() for a in args], causal=kw["causal"], scale=kw["scale"],
+                                   backend="cpp")
+        torch.testing.assert_close(got.cpu(), cpu, rtol=1e-5, atol=1e-5 * vmax, msg=lambda m: f"{m}\n{where}")
+
+
+# ---- append_kv (its binding arrives with the lead's CPU twin) ----------------------------------
+@pytest.mark.skipif(not hasattr(getattr(ops, "_C", None), "append_kv"), reason="no append_kv binding yet")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h_kv,hd", [(3, 40), (2, 128), (1, 3)])  # 16-byte rows and odd rows
+def test_append_kv(dtype, h_kv, hd):
+    g = oc.generator(("append_kv", h_kv, hd))
+    N, ps, pages = 37, 16, 9
+    k, v = (torch.randn(N, h_kv, hd, generator=g).to(DEV, dtype) for _ in range(2))
+    slots = torch.randperm(pages * ps, generator=g)[:N]
+    slots[::5] = -1  # padding tokens are skipped
+    kc = torch.full((pages, ps, h_kv, hd), 7.0, dtype=dtype, device=DEV)
+    vc = kc.clone()
+    C = ops._C
+    p = C.AppendKvParams()
+    p.N, p.h_kv, p.head_dim, p.page_size, p.num_pages = N, h_kv, hd, ps, pages
+    p.dtype = {F32: 0, F16: 2, BF16: 3}[dtype]
+    slots_d = slots.to(DEV)
+    p.k, p.v, p.k_cache, p.v_cache, p.slot_mapping = (t.data_ptr() for t in (k, v, kc, vc, slots_d))
+    C.append_kv(p, "cuda", torch.cuda.current_stream().cuda_stream)
+    ok = slots >= 0
+    want_k, want_v = torch.full_like(kc, 7.0), torch.full_like(vc, 7.0)
+    want_k.view(-1, h_kv, hd)[slots[ok].to(DEV)] = k[ok.to(DEV)]
+    want_v.view(-1, h_kv, hd)[slots[ok].to(DEV)] = v[ok.to(DEV)]
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+# ---- compute-sanitizer ------------------------------------------------------------------------
+_SANITIZE_SCRIPT = textwrap.dedent("""
+    import torch
+    from dspark_rt import ops
+    from tests import op_cases as oc
+    for dt in (torch.bfloat16, torch.float32):
+        for c in (oc.MarkovCase(3, 2, 1100, "gated", rank=32, d=24, conf="markov"),
+                  oc.MarkovCase(2, 2, 700, "vanilla", rank=20, temps="sampled")):
+            kw = oc.markov_inputs(c, "cuda", dt)
+            ops.markov_sample(kw.pop("logits"), kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"),
+                              backend="cuda", **kw)
+        for c in (oc.RejectionCase(4, 3, 9000, "random", "mixed"), oc.RejectionCase(3, 2, 1000, "full", "sampled")):
+            kw = oc.rejection_inputs(c, "cuda", dt)
+            ops.rejection_sample(*[kw.pop(k) for k in ("target_logits", "cu_rows", "draft_tokens",
+                                                       "draft_logits", "draft_lse")], backend="cuda", **kw)
+        for c in (oc.AttentionCase((2, 1), (300, 40), 8, 2, 128, 16), oc.AttentionCase((3,), (1100,), 4, 2, 64, 16),
+                  oc.AttentionCase((2,), (30,), 4, 2, 32, 8)):
+            kw = oc.attention_inputs(c, "cuda", dt)
+            ops.verify_attention(*[kw.pop(k) for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables",
+                                                        "kv_lens")], backend="cuda", **kw)
+    ops.prefix_topk(torch.rand(50, 7, device="cuda"), 100, backend="cuda")
+    torch.cuda.synchronize()
+    print("sanitize-ok")
+""")
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizer(tool, tmp_path):
+    script = tmp_path / "exercise.py"
+    script.write_text(_SANITIZE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1",  # exact allocations: OOB is caught
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    cmd = ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=3", sys.executable, str(script)]
+    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0 and "sanitize-ok" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
