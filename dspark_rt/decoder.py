@@ -1,5 +1,4 @@
 """The public entry point: Decoder.from_pretrained(target, drafter).generate(prompts, params)."""
-import random
 from pathlib import Path
 
 import torch
@@ -8,7 +7,7 @@ from tqdm.auto import tqdm
 from .models.drafter import Drafter
 from .models.qwen3 import Qwen3Model
 from .outputs import RequestOutput, SpecMetrics
-from .policy import Calibration, make_policy
+from .policy import Calibration, FixedPolicy, make_policy
 from .request import Request
 from .runner import MODES, Runner
 from .sampling_params import SamplingParams
@@ -37,7 +36,8 @@ class Decoder:
     mode: "ar" (target alone), "dflash" (backbone drafts, all verified) or "dspark" (sequential
     head + confidence-scheduled verification; the default when the drafter has a head).
     policy: "fixed" | "threshold" | "sync" | "async" | a VerifyPolicy (used in "dspark" mode);
-    "sync" and "async" need sps= (a measured throughput profile). calibration: STS temperatures
+    "sync" and "async" read sps= (a measured throughput profile or its JSON path); without it
+    the engine is profiled once and cached by device identity. calibration: STS temperatures
     (a Calibration, a list, or the path of a JSON written by dspark_rt.sts or SGLang).
     """
 
@@ -52,12 +52,12 @@ class Decoder:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         kwargs = {"threshold": threshold} if policy == "threshold" else {}
-        if policy in ("sync", "async"):
-            if sps is None:
-                raise ValueError(f"policy {policy!r} needs sps=: a throughput profile (SPSProfile or "
-                                 "the path of its JSON)")
+        # sync / async without a profile: measure one (or reuse the cached one) once the runner
+        # exists, since the measurement runs real rounds.
+        profile_later = policy in ("sync", "async") and sps is None and mode == "dspark"
+        if policy in ("sync", "async") and not profile_later:
             kwargs = {"sps": sps}
-        self.policy = make_policy(policy, **kwargs)
+        self.policy = FixedPolicy() if profile_later else make_policy(policy, **kwargs)
         if isinstance(calibration, (str, Path)):
             from .sts import read_temperatures
             calibration = read_temperatures(calibration)
@@ -68,12 +68,16 @@ class Decoder:
                              f"temperatures, got {type(calibration).__name__}")
         self.target, self.drafter, self.tokenizer, self.mode = target, drafter, tokenizer, mode
         self.runner = Runner(target, drafter, mode, self.policy, calibration, page_size, self.device)
-        self._rng = random.Random(seed)
         self._seed = seed
         self._next_id = 0
         # Set to a list to record every round (calibration and diagnostics read it).
         self.round_log: list[dict] | None = None
         self.max_model_len = target.config.max_position_embeddings
+        if profile_later:
+            if drafter is None or drafter.conf_w is None:
+                raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
+            from .profiling import load_or_profile
+            self.policy = self.runner.policy = make_policy(policy, sps=load_or_profile(self))
 
     @classmethod
     def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):

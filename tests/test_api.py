@@ -163,3 +163,20 @@ def test_chat_uses_the_template(dec):
     out = dec.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert "hi" in out.prompt and out.prompt != "hi"
 
+
+
+def test_sync_policy_profiles_once_and_reuses_the_cache(tiny_target, tiny_drafters, tmp_path,
+                                                        monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    drafter = tiny_drafters("vanilla", 4)
+    first = Decoder.from_pretrained(tiny_target, drafter, mode="dspark", policy="sync")
+    cached = list(tmp_path.glob("*.json"))
+    assert len(cached) == 1 and first.policy.name == "sync"
+    mtime = cached[0].stat().st_mtime_ns
+    second = Decoder.from_pretrained(tiny_target, drafter, mode="dspark", policy="async")
+    assert cached[0].stat().st_mtime_ns == mtime and second.policy.name == "async"
+    ref = Decoder.from_pretrained(tiny_target, mode="ar").generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    out = second.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
