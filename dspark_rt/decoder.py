@@ -57,7 +57,10 @@ class Decoder:
         profile_later = policy in ("sync", "async") and sps is None and mode == "dspark"
         if policy in ("sync", "async") and not profile_later:
             kwargs = {"sps": sps}
-        self.policy = FixedPolicy() if profile_later else make_policy(policy, **kwargs)
+        if profile_later or (policy in ("sync", "async") and mode != "dspark"):
+            self.policy = FixedPolicy()  # set below; outside dspark mode no policy is consulted
+        else:
+            self.policy = make_policy(policy, **kwargs)
         if isinstance(calibration, (str, Path)):
             from .sts import read_temperatures
             calibration = read_temperatures(calibration)
