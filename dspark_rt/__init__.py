@@ -16,8 +16,11 @@ def __getattr__(name):
     if name == "Decoder":
         from .decoder import Decoder
         return Decoder
+    if name == "Engine":
+        from .engine.engine import Engine
+        return Engine
     raise AttributeError(f"module 'dspark_rt' has no attribute {name!r}")
 
 
-__all__ = ["Decoder", "SamplingParams", "RequestOutput", "SpecMetrics", "Calibration",
+__all__ = ["Decoder", "Engine", "SamplingParams", "RequestOutput", "SpecMetrics", "Calibration",
            "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "__version__"]

@@ -187,6 +187,12 @@ class Decoder:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, params, **kwargs)
 
+    def stream(self, prompt, params=None, *, num_pages: int = 512):
+        """Yields the request's new tokens round by round (engine.StepOutput: new_token_ids,
+        finished, and the full RequestOutput on the last one)."""
+        from .engine.engine import Engine
+        yield from Engine(self, num_pages=num_pages).stream(prompt, params)
+
     def _run(self, reqs: list[Request], use_tqdm: bool):
         runner = self.runner
         runner.reserve(reqs)
@@ -195,7 +201,7 @@ class Decoder:
         try:
             logits = runner.prefill(reqs)
             logits, cu, acc, out = runner.sample_first(reqs, logits)
-            emitted = self._apply(reqs, acc, out, logits, cu, bar)
+            emitted = self._apply(reqs, acc, out, logits, cu[:-1].tolist(), bar)
             active = [r for r in reqs if not r.finished]
             while active:
                 res = runner.step(active)
@@ -203,8 +209,8 @@ class Decoder:
                 if self.round_log is not None:
                     self.round_log.append(self._log_entry(active, res))
                 cu = res.cu_rows
-                emitted = self._apply(active, res.num_accepted, res.out_tokens, res.logits, cu,
-                                      bar, res.lengths)
+                emitted = self._apply(active, res.num_accepted, res.out_tokens, res.logits,
+                                      cu[:-1].tolist(), bar, res.lengths)
                 # Every request commits its anchor and accepted drafts: positions p .. p + a.
                 keep = [i for i, r in enumerate(active) if not r.finished]
                 runner.commit_context([active[i] for i in keep], [starts[i] for i in keep],
@@ -218,9 +224,9 @@ class Decoder:
             for r in reqs:
                 runner.release(r)
 
-    def _apply(self, reqs, acc, out, logits, cu, bar, lengths=None):
-        """Commits each request's emitted tokens; returns how many positions each committed
-        into the KV cache (anchor + accepted drafts)."""
+    def _apply(self, reqs, acc, out, logits, row_starts, bar, lengths=None):
+        """Commits each request's emitted tokens (its target logits start at row row_starts[i]);
+        returns how many positions each committed into the KV cache (anchor + accepted drafts)."""
         acc, out = acc.tolist(), out.tolist()
         committed = []
         for i, r in enumerate(reqs):
@@ -228,7 +234,7 @@ class Decoder:
             toks = out[i][: a + 1]
             lp = None
             if r.params.logprobs:
-                rows = torch.log_softmax(logits[int(cu[i]) : int(cu[i]) + a + 1].double(), dim=-1)
+                rows = torch.log_softmax(logits[row_starts[i] : row_starts[i] + a + 1].double(), dim=-1)
                 lp = rows.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
             if lengths is not None and self.runner.gamma:
                 r.metrics.record(lengths[i], a)

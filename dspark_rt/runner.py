@@ -71,7 +71,7 @@ class Runner:
         slack = self.gamma + (self.drafter.block_size if self.drafter is not None else 0) + 2
         need = sum(-(-(len(r.prompt_ids) + r.params.max_tokens + slack) // ps) for r in requests)
         t = self.target
-        if self.tcache is None or self.tcache.num_pages < need:
+        if self.tcache is None or self.talloc is None or self.tcache.num_pages < need:
             self.tcache = PagedKVCache(t.config.num_hidden_layers, need, ps,
                                        t.config.num_key_value_heads, t.config.head_dim,
                                        t.dtype, self.device)
@@ -82,6 +82,18 @@ class Runner:
                                            dc.head_dim, t.dtype, self.device)
                 self.dalloc = PageAllocator(need)
 
+    def allocate_caches(self, num_pages: int):
+        """Caches of num_pages pages whose pages an engine's block managers hand out."""
+        t = self.target
+        self.tcache = PagedKVCache(t.config.num_hidden_layers, num_pages, self.page_size,
+                                   t.config.num_key_value_heads, t.config.head_dim, t.dtype, self.device)
+        self.dcache = None
+        if self.mode != "ar":
+            dc = self.drafter.config
+            self.dcache = PagedKVCache(dc.num_hidden_layers, num_pages, self.page_size,
+                                       dc.num_key_value_heads, dc.head_dim, t.dtype, self.device)
+        self.talloc = self.dalloc = None
+
     def release(self, req: Request):
         if req.target_pages:
             self.talloc.free(req.target_pages)
@@ -90,9 +102,12 @@ class Runner:
             self.dalloc.free(req.drafter_pages)
             req.drafter_pages = []
 
-    def _grow(self, pages: list[int], alloc: PageAllocator, n_tokens: int):
+    def _grow(self, pages: list[int], alloc: PageAllocator | None, n_tokens: int):
         missing = -(-n_tokens // self.page_size) - len(pages)
         if missing > 0:
+            if alloc is None:  # an engine's scheduler owns the pages and reserved too few
+                raise RuntimeError(f"runner: {n_tokens} tokens need {missing} more pages than "
+                                   "the request scheduler reserved")
             pages.extend(alloc.allocate(missing))
 
     def _meta(self, page_lists, starts, counts, causal):
@@ -117,20 +132,26 @@ class Runner:
     # -- prefill -----------------------------------------------------------------------------
 
     def prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Runs the prompts through the target (and their features into the drafter's context).
-        Returns the target logits of each prompt's last position [R, V]."""
-        lens = [len(r.prompt_ids) for r in reqs]
-        for r in reqs:
-            self._grow(r.target_pages, self.talloc, len(r.prompt_ids))
-        meta, pos = self._meta([r.target_pages for r in reqs], [0] * len(reqs), lens, True)
-        ids = torch.tensor([t for r in reqs for t in r.prompt_ids], dtype=torch.int64, device=self.device)
+        """Runs whole prompts (offline batches). Returns the last position's logits [R, V]."""
+        return self.prefill_chunks(reqs, [0] * len(reqs), [len(r.prompt_ids) for r in reqs],
+                                   [r.prompt_ids for r in reqs])
+
+    def prefill_chunks(self, reqs, starts, ends, tokens) -> torch.Tensor:
+        """Runs tokens[i] at positions starts[i] .. ends[i]-1 of each request through the target
+        (and their features into the drafter's context). Returns the logits of each chunk's last
+        position [R, V]."""
+        counts = [e - s for s, e in zip(starts, ends)]
+        for r, e in zip(reqs, ends):
+            self._grow(r.target_pages, self.talloc, e)
+        meta, pos = self._meta([r.target_pages for r in reqs], starts, counts, True)
+        ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.int64, device=self.device)
         last = (meta.cu_q[1:] - 1).long()
         logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture,
                                             logits_rows=last)
-        for r in reqs:
-            r.kv_len = len(r.prompt_ids)
+        for r, e in zip(reqs, ends):
+            r.kv_len = max(r.kv_len, e)
         if self.mode != "ar":
-            self._context_update(reqs, [0] * len(reqs), lens, feats, meta.cu_q[:-1].tolist())
+            self._context_update(reqs, starts, counts, feats, meta.cu_q[:-1].tolist())
         return logits.to(self.logits_dtype)
 
     def _context_update(self, reqs, starts, counts, feats, row_starts):

@@ -1,0 +1,153 @@
+"""Continuous batching: requests arrive and leave between rounds.
+
+Engine.add_request / abort / step for callers that run their own loop; Engine.stream yields each
+request's new tokens as they are committed. The request scheduler decides every step which
+requests prefill (in chunks) and which run a DSpark round; the block managers hand out KV pages;
+the runner (shared with Decoder.generate) does the work.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from ..outputs import RequestOutput
+from .block_manager import BlockManager
+from .scheduler import RequestScheduler, all_tokens
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+
+@dataclass
+class StepOutput:
+    """What one request got from one step: new tokens, and whether it is done."""
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    output: RequestOutput | None = None  # set when finished
+    error: str | None = None
+
+
+class Engine:
+    """decoder: a Decoder (its models, mode, policy and runner). num_pages: KV pages of each cache
+    (target and drafter) of decoder.runner.page_size tokens."""
+
+    def __init__(self, decoder, *, num_pages: int = 512, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 1024, chunk_size: int = 256, watermark: float = 0.01):
+        for name, v in (("num_pages", num_pages), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Engine: {name} must be a positive int, got {v!r}")
+        self.decoder, self.runner = decoder, decoder.runner
+        r = self.runner
+        r.allocate_caches(num_pages)
+        self.target_blocks = BlockManager(num_pages, r.page_size, enable_prefix_caching=False,
+                                          name="target")
+        self.drafter_blocks = None
+        if r.mode != "ar":
+            self.drafter_blocks = BlockManager(num_pages, r.page_size, enable_prefix_caching=False,
+                                               name="drafter")
+        block = decoder.drafter.block_size if r.mode != "ar" else 0
+        self.scheduler = RequestScheduler(max_num_seqs, max_num_batched_tokens, self.target_blocks,
+                                          self.drafter_blocks, gamma=r.gamma, block_size=block,
+                                          chunk_size=chunk_size, watermark=watermark)
+        self.requests = {}
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt, params=None) -> int:
+        """Checks and queues one request; returns its id. Bad input raises ValueError naming the
+        argument, and nothing else is affected."""
+        from ..sampling_params import SamplingParams
+        req = self.decoder._make_request(len(self.requests), prompt, params or SamplingParams())
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        return req.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drops a request wherever it is; its pages go back to the pool."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        req.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        before = {rid: len(r.output_ids) for rid, r in self.requests.items()}
+        errors = {}
+        for req in out.preempted:  # re-prefill rebuilds both caches; the anchor is kept
+            req.anchor = req.output_ids[-1] if req.output_ids else -1
+        if out.prefills:
+            self._prefill(out.prefills)
+        if out.decodes:
+            errors = self._decode(out.decodes)
+        results = []
+        for rid, req in list(self.requests.items()):
+            new = req.output_ids[before.get(rid, 0):]
+            if not (new or req.finished or rid in errors):
+                continue
+            if rid in errors:
+                req.finish_reason = "error"
+            done = req.finished
+            if done:
+                self.scheduler.finish(rid)
+                del self.requests[rid]
+            results.append(StepOutput(rid, list(new), done,
+                                      self.decoder._output(req) if done else None, errors.get(rid)))
+        return results
+
+    def _prefill(self, chunks):
+        runner, dec = self.runner, self.decoder
+        reqs = [c.req for c in chunks]
+        logits = runner.prefill_chunks(reqs, [c.start for c in chunks], [c.end for c in chunks],
+                                       [list(all_tokens(c.req)[c.start:c.end]) for c in chunks])
+        first = [i for i, c in enumerate(chunks) if c.is_last and not c.req.output_ids]
+        for c in chunks:
+            if c.is_last and c.req.output_ids:  # resumed after preemption: nothing to sample
+                c.req.anchor = c.req.output_ids[-1]
+        if first:
+            sel = [reqs[i] for i in first]
+            lg, cu, acc, toks = runner.sample_first(sel, logits[first])
+            dec._apply(sel, acc, toks, lg, cu[:-1].tolist(), _NoBar())
+
+    def _decode(self, reqs) -> dict:
+        runner, dec = self.runner, self.decoder
+        res = runner.step(reqs)
+        # A request whose target logits hold NaN or +inf fails alone; the others go on.
+        rows_bad = torch.isnan(res.logits).any(-1) | torch.isposinf(res.logits).any(-1)
+        cu = res.cu_rows.tolist()
+        errors = {r.request_id: "NaN or inf in the target's logits"
+                  for i, r in enumerate(reqs) if bool(rows_bad[cu[i]:cu[i + 1]].any())}
+        starts = [r.kv_len for r in reqs]
+        if dec.round_log is not None:
+            dec.round_log.append(dec._log_entry(reqs, res))
+        ok = [i for i, r in enumerate(reqs) if r.request_id not in errors]
+        if ok:
+            sub = torch.tensor(ok)
+            emitted = dec._apply([reqs[i] for i in ok], res.num_accepted[sub], res.out_tokens[sub],
+                                 res.logits, [cu[i] for i in ok], _NoBar(), [res.lengths[i] for i in ok])
+            keep = [j for j, i in enumerate(ok) if not reqs[i].finished]
+            runner.commit_context([reqs[ok[j]] for j in keep], [starts[ok[j]] for j in keep],
+                                  [emitted[j] for j in keep], res.features, [cu[ok[j]] for j in keep])
+        return errors
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    def stream(self, prompt, params=None):
+        """Adds one request and yields StepOutput deltas for it until it finishes (other queued
+        requests advance too)."""
+        rid = self.add_request(prompt, params)
+        while True:
+            for o in self.step():
+                if o.request_id == rid:
+                    yield o
+                    if o.finished:
+                        return

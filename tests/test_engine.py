@@ -1,0 +1,119 @@
+"""Continuous batching: requests arriving and leaving between rounds, preemption under page
+pressure, aborts, bad requests, NaN logits, streaming; greedy outputs equal plain decoding."""
+import random
+
+import pytest
+import torch
+
+from dspark_rt import Decoder, SamplingParams
+from dspark_rt.engine.engine import Engine
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target, tiny_drafters):
+    return tiny_target, tiny_drafters("vanilla", 4)
+
+
+def _alone(target, prompt, max_tokens):
+    dec = Decoder.from_pretrained(target, mode="ar", dtype="float64")
+    return dec.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("mode,num_pages", [("dspark", 400), ("dspark", 14), ("ar", 10), ("dflash", 14)])
+def test_stress_equals_requests_run_alone(pair, mode, num_pages):
+    """Requests of random lengths arrive over time, some are aborted, some are bad; with few
+    pages the scheduler must preempt. Every good request finishes with the tokens it gets alone,
+    none is lost or duplicated, and every page is back in the pool at the end."""
+    target, drafter = pair
+    rng = random.Random(1234 + num_pages)
+    dec = Decoder.from_pretrained(target, None if mode == "ar" else drafter, mode=mode, dtype="float64",
+                                  page_size=4)
+    eng = Engine(dec, num_pages=num_pages, max_num_seqs=6, max_num_batched_tokens=48, chunk_size=8)
+    want, done, aborted, bad = {}, {}, set(), 0
+    pending = [([rng.randrange(90) for _ in range(rng.randint(1, 20))], rng.randint(1, 12)) for _ in range(30)]
+    steps = 0
+    while pending or eng.has_unfinished():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                prompt, n = pending.pop()
+                rid = eng.add_request(prompt, SamplingParams(max_tokens=n, **GREEDY))
+                want[rid] = (prompt, n)
+        if rng.random() < 0.3:  # a bad request is refused alone
+            with pytest.raises(ValueError):
+                eng.add_request([rng.choice([-1, 10**6])], SamplingParams(max_tokens=2))
+            bad += 1
+        live = list(eng.requests)
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            assert eng.abort(victim)
+            aborted.add(victim)
+        for o in eng.step():
+            assert o.request_id not in done, "a request finished twice"
+            if o.finished:
+                assert o.error is None
+                done[o.request_id] = o.output.token_ids
+        steps += 1
+        assert steps < 5000, "the engine stopped making progress"
+    assert set(done) | aborted == set(want) and not (set(done) & aborted)
+    for rid, toks in done.items():
+        prompt, n = want[rid]
+        assert toks == _alone(target, prompt, n), f"request {rid} prompt {prompt}"
+    assert eng.target_blocks.num_used == 0 and eng.target_blocks.num_free == num_pages
+    if eng.drafter_blocks is not None:
+        assert eng.drafter_blocks.num_used == 0
+    assert bad > 0
+
+
+def test_nan_logits_fail_one_request_only(pair, monkeypatch):
+    target, drafter = pair
+    dec = Decoder.from_pretrained(target, drafter, mode="dspark", dtype="float64")
+    eng = Engine(dec, num_pages=64)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=8, **GREEDY)) for p in ([1, 2, 3], [4, 5], [6])]
+    poisoned = ids[1]
+    real_step = eng.runner.step
+
+    def step(reqs):
+        res = real_step(reqs)
+        for i, r in enumerate(reqs):
+            if r.request_id == poisoned:
+                res.logits[int(res.cu_rows[i])] = float("nan")
+        return res
+
+    monkeypatch.setattr(eng.runner, "step", step)
+    results = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                results[o.request_id] = o
+    assert results[poisoned].error and results[poisoned].output.finish_reason == "error"
+    for rid, p in zip((ids[0], ids[2]), ([1, 2, 3], [6])):
+        assert results[rid].error is None and results[rid].output.token_ids == _alone(target, p, 8)
+
+
+def test_stream_deltas_add_up(pair):
+    target, drafter = pair
+    dec = Decoder.from_pretrained(target, drafter, mode="dspark", dtype="float64")
+    eng = Engine(dec, num_pages=64)
+    deltas = list(eng.stream([7, 8, 9], SamplingParams(max_tokens=15, **GREEDY)))
+    assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+    toks = [t for d in deltas for t in d.new_token_ids]
+    assert toks == deltas[-1].output.token_ids == _alone(target, [7, 8, 9], 15)
+    assert len(deltas) > 1  # tokens arrive round by round, not at the end
+
+
+def test_bad_engine_arguments(pair):
+    dec = Decoder.from_pretrained(pair[0], mode="ar")
+    with pytest.raises(ValueError, match="num_pages"):
+        Engine(dec, num_pages=0)
+    eng = Engine(dec, num_pages=4)
+    with pytest.raises(ValueError):
+        eng.add_request([1] * 200, SamplingParams(max_tokens=2))  # can never fit 4 pages
+    assert not eng.abort(12345)
+
+
+def test_decoder_stream(pair):
+    dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", dtype="float64")
+    deltas = list(dec.stream([3, 1, 4], SamplingParams(max_tokens=9, **GREEDY)))
+    assert [t for d in deltas for t in d.new_token_ids] == _alone(pair[0], [3, 1, 4], 9)
