@@ -7,7 +7,8 @@ import sys
 # Subcommands whose arguments their own module parses (imported only when run).
 TOOLS = {"calibrate": ("calibrate", "fit STS temperatures of a drafter's confidence head"),
          "profile": ("profiling", "measure this machine's throughput profile SPS(B)"),
-         "eval": ("evaluate", "tau, acceptance, verify lengths, tokens/s and calibration")}
+         "eval": ("evaluate", "tau, acceptance, verify lengths, tokens/s and calibration"),
+         "train": ("train.__main__", "train a tiny target and DSpark/DFlash drafters")}
 
 
 def main(argv=None):

@@ -1,0 +1,135 @@
+"""The trainable drafter: the runtime Drafter's parameters under DeepSpec names, the sequential
+(Markov) head and the confidence head, and the DeepSpec folder writer (DESIGN §2 steps 1-3, §3).
+
+State-dict names are the file's tensor names: layers.{i}.*, norm, fc, hidden_norm,
+markov_head.markov_w1 (an Embedding [V, r]), markov_head.markov_w2 (a Linear r -> V, weight
+[V, r]), markov_head.gate_proj (Linear d + r -> r), confidence_head.proj (Linear -> 1).
+"""
+import json
+import math
+import os
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..checkpoint import resolve_dtype
+from ..config import TargetConfig
+from ..models.qwen3 import DecoderLayer, RMSNorm
+
+__all__ = ["DrafterNet", "drafter_config", "save_drafter", "default_layer_ids"]
+
+
+def default_layer_ids(n_target: int) -> list[int]:
+    """Every target layer but the final one, up to 5 of them evenly spaced."""
+    ids = list(range(n_target - 1))
+    if len(ids) > 5:
+        ids = sorted({round(i * (n_target - 2) / 4) for i in range(5)})
+    return ids or [-1]
+
+
+def drafter_config(target_cfg: dict, *, layers: int, gamma: int, target_layer_ids, mask_token_id,
+                   head: str, rank: int, confidence: bool) -> dict:
+    """A DeepSpec Qwen3DSparkModel config.json: the target's config with the drafter's fields."""
+    c = {k: v for k, v in target_cfg.items() if k not in ("mlp_bias", "pretraining_tp")}
+    rank = rank if head != "none" else 0
+    c.update(architectures=["Qwen3DSparkModel"], model_type="qwen3", num_hidden_layers=layers,
+             tie_word_embeddings=False, layer_types=["full_attention"] * layers,
+             use_sliding_window=False, sliding_window=None, max_window_layers=layers,
+             num_target_layers=target_cfg["num_hidden_layers"], block_size=gamma,
+             target_layer_ids=list(target_layer_ids), mask_token_id=mask_token_id,
+             markov_rank=rank, enable_confidence_head=confidence)
+    if rank:
+        c["markov_head_type"] = head
+    if confidence:
+        c["confidence_head_with_markov"] = rank > 0
+    return c
+
+
+class MarkovHead(nn.Module):
+    """bias_k = W2 e (vanilla) or W2 (sigmoid(gate_proj([h_k; e])) * e) (gated), e = W1[x_{k-1}]."""
+
+    def __init__(self, V: int, r: int, d: int, gated: bool):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(V, r)
+        self.markov_w2 = nn.Linear(r, V, bias=False)
+        self.gate_proj = nn.Linear(d + r, r) if gated else None
+        nn.init.normal_(self.markov_w1.weight, std=1.0)
+        nn.init.zeros_(self.markov_w2.weight)  # starts as the plain backbone (bias 0)
+        if gated:
+            nn.init.normal_(self.gate_proj.weight, std=(d + r) ** -0.5)
+            nn.init.zeros_(self.gate_proj.bias)
+
+    def forward(self, prev, h):
+        """prev [..., ] int64 x_{k-1}; h [..., d] -> (bias [..., V], e [..., r])."""
+        e = self.markov_w1(prev)
+        if self.gate_proj is not None:
+            e_in = torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e
+        else:
+            e_in = e
+        return self.markov_w2(e_in), e
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, k: int):
+        super().__init__()
+        self.proj = nn.Linear(k, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x):
+        return self.proj(x)[..., 0]
+
+
+class DrafterNet(nn.Module):
+    def __init__(self, cfg: dict):
+        """cfg: a drafter config dict (drafter_config)."""
+        super().__init__()
+        self.cfg = cfg
+        tc = TargetConfig.from_dict(cfg, arch="qwen3")
+        d, V, L = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers
+        r, m = cfg["markov_rank"], len(cfg["target_layer_ids"])
+        self.layers = nn.ModuleList(DecoderLayer(tc) for _ in range(L))
+        self.norm = RMSNorm(d, tc.rms_norm_eps)
+        self.fc = nn.Linear(m * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, tc.rms_norm_eps)
+        gated = cfg.get("markov_head_type") == "gated"
+        self.markov_head = MarkovHead(V, r, d, gated) if r else None
+        self.confidence_head = ConfidenceHead(d + r) if cfg["enable_confidence_head"] else None
+        resid = 0.02 / math.sqrt(2 * L)
+        for name, p in self.named_parameters(recurse=True):
+            if name.startswith(("markov_head", "confidence_head")):
+                continue
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=resid if name.endswith(("o_proj.weight", "down_proj.weight"))
+                                else 0.02)
+
+    def backbone_parameters(self):
+        return [p for n, p in self.named_parameters()
+                if not n.startswith(("markov_head", "confidence_head"))]
+
+    def heads(self, U, h, prev):
+        """U [..., V] base logits, h [..., d], prev [...] x_{k-1} -> (z [..., V], conf_logit [...]
+        or None): the sequential head's corrected logits and the confidence logit."""
+        if self.markov_head is None:
+            z, e = U, None
+        else:
+            bias, e = self.markov_head(prev, h)
+            z = U + bias
+        conf = None
+        if self.confidence_head is not None:
+            conf = self.confidence_head(h if e is None else torch.cat([h, e], -1))
+        return z, conf
+
+
+def save_drafter(net: DrafterNet, out, dtype="bfloat16"):
+    """DeepSpec folder: config.json + model.safetensors. The embedding and LM head are the
+    target's and are not duplicated into the file (the runtime treats those copies as optional)."""
+    os.makedirs(out, exist_ok=True)
+    dt = resolve_dtype(dtype)
+    tensors = {n: t.detach().to(dt).contiguous() for n, t in net.state_dict().items()}
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({**net.cfg, "torch_dtype": str(dt).removeprefix("torch.")}, f, indent=2)

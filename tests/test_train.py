@@ -1,0 +1,210 @@
+"""dspark_rt.train: the dense training forwards equal the runtime's, a few training steps lower the
+loss and write checkpoints that Decoder.from_pretrained serves losslessly, resume continues the
+step counter, and the shipped pair decodes exactly like plain greedy decoding."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_rt import Decoder, SamplingParams
+from dspark_rt.models.batch import AttnMeta
+from dspark_rt.models.drafter import Drafter
+from dspark_rt.models.qwen3 import Qwen3Model, Rotary
+from dspark_rt.ops import reference
+from dspark_rt.train.__main__ import main as train_main
+from dspark_rt.train.dense import drafter_block_forward, target_forward
+from dspark_rt.train.drafter_net import DrafterNet, drafter_config, save_drafter
+from tests.helpers import full_forward_logits
+
+PRETRAINED = Path(__file__).resolve().parents[1] / "dspark_rt" / "pretrained"
+TINY = ["--hidden", "32", "--layers", "3", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+        "--intermediate", "64", "--ctx", "128", "--seq", "32"]
+FAST = ["--threads", "1", "--batch", "4", "--lr", "1e-2", "--warmup", "2"]
+
+
+def _corpus(root: Path):
+    """A few KB of Python-like text in a handful of files."""
+    root.mkdir()
+    for f in range(6):
+        body = "".join(f"def func_{f}_{i}(x, y={i}):\n    total = x + y * {i}\n"
+                       f"    for k in range({i + 2}):\n        total += k\n    return total\n\n"
+                       for i in range(8))
+        (root / f"mod_{f}.py").write_text(f'"""Module {f}."""\nimport os\n\n' + body)
+
+
+def _run(argv) -> dict:
+    """Runs `dspark-rt train ...` in-process and returns the JSON summary it prints."""
+    import contextlib
+    import io
+    buf, threads = io.StringIO(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(buf):
+            assert train_main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # --threads is process-wide; leave other tests alone
+    out = buf.getvalue()
+    return json.loads(out[out.index("{"):])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    corpus = tmp / "corpus"
+    _corpus(corpus)
+    c = ["--corpus", str(corpus)]
+    _run(["tokenizer", "--out", str(tmp / "tok"), "--vocab", "300", *c])
+    s_target = _run(["target", "--tokenizer", str(tmp / "tok"), "--out", str(tmp / "target"),
+                     "--steps", "40", "--save-every", "20", *TINY, *FAST, *c])
+    _run(["regen", "--target", str(tmp / "target"), "--out", str(tmp / "regen.pt"), "--num", "8",
+          "--prompt-len", "16", "--new-tokens", "24", "--batch", "8", *c])
+    common = ["--target", str(tmp / "target"), "--gamma", "4", "--rank", "8", "--anchors", "4",
+              "--steps", "30", "--save-every", "30", *FAST, *c]
+    s_dspark = _run(["drafter", "--out", str(tmp / "dspark"), "--head", "gated",
+                     "--data", str(tmp / "regen.pt"), *common])
+    s_dflash = _run(["drafter", "--out", str(tmp / "dflash"), "--head", "none", *common])
+    s_up = _run(["drafter", "--out", str(tmp / "upgraded"), "--head", "vanilla", "--upgrade-dflash",
+                 str(tmp / "dflash"), *common, "--steps", "10"])
+    return tmp, {"target": s_target, "dspark": s_dspark, "dflash": s_dflash, "upgraded": s_up}
+
+
+def test_training_lowers_the_loss(trained):
+    _, s = trained
+    for name in ("target", "dspark", "dflash"):
+        assert s[name]["final_loss"] < s[name]["first_loss"], (name, s[name])
+
+
+def test_upgrade_dflash_keeps_the_backbone(trained):
+    tmp, s = trained
+    assert s["upgraded"]["trainable"] < s["upgraded"]["params"]
+    from safetensors.torch import load_file
+    base = load_file(tmp / "dflash" / "model.safetensors")
+    up = load_file(tmp / "upgraded" / "model.safetensors")
+    for name, t in base.items():
+        assert torch.equal(t, up[name]), name
+    assert any(n.startswith("markov_head") for n in up)
+    assert any(n.startswith("confidence_head") for n in up)
+
+
+@pytest.mark.parametrize("drafter,mode", [("dspark", "dspark"), ("dspark", "dflash"),
+                                          ("dflash", "dflash"), ("upgraded", "dspark")])
+def test_trained_checkpoints_decode_like_ar(trained, drafter, mode):
+    tmp, _ = trained
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def func_1_3(x, y=3):\n", "import os\n\n\ndef"]
+    ar = Decoder.from_pretrained(str(tmp / "target"), mode="ar", dtype="float64")
+    ref = [o.token_ids for o in ar.generate(prompts, params, use_tqdm=False)]
+    dec = Decoder.from_pretrained(str(tmp / "target"), str(tmp / drafter), mode=mode,
+                                  dtype="float64")
+    outs = dec.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.metrics.num_rounds for o in outs) > 0
+
+
+def test_resume_continues_the_step_counter(trained, tmp_path):
+    tmp, _ = trained
+    args = ["target", "--tokenizer", str(tmp / "tok"), "--out", str(tmp_path / "t"),
+            "--corpus", str(tmp / "corpus"), "--save-every", "2", *TINY, *FAST]
+    first = _run(args + ["--steps", "4"])
+    again = _run(args + ["--steps", "6", "--resume"])
+    assert (first["start_step"], again["start_step"]) == (0, 4)
+    state = torch.load(tmp_path / "t" / "train_state.pt", weights_only=False)
+    assert state["step"] == 6 and state["optim"]["state"]
+    Qwen3Model.from_pretrained(str(tmp_path / "t"))  # the export after resuming loads
+
+
+def test_dense_target_equals_runtime(trained):
+    tmp, _ = trained
+    tgt = Qwen3Model.from_pretrained(str(tmp / "target"), dtype="float64")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tgt.config.vocab_size, (2, 20), generator=g)
+    logits, _, _ = target_forward(tgt, ids)
+    for b in range(2):
+        # float64 both ways: only summation order differs
+        torch.testing.assert_close(logits[b], full_forward_logits(tgt, ids[b].tolist()),
+                                   rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "none"])
+def test_dense_drafter_equals_runtime(trained, tmp_path, head):
+    """drafter_block_forward (SDPA over [context ; all blocks] with a mask) against the runtime's
+    context_update + forward_block over a paged cache, block by block; then the heads against
+    ops.reference.markov_sample fed the same previous tokens."""
+    tmp, _ = trained
+    tcfg = json.loads((tmp / "target" / "config.json").read_text())
+    gamma, ids = 5, [-1, 1]
+    cfg = drafter_config(tcfg, layers=2, gamma=gamma, target_layer_ids=ids, mask_token_id=3,
+                         head=head, rank=8, confidence=True)
+    torch.manual_seed(0)
+    net = DrafterNet(cfg)
+    for p in net.parameters():  # away from the zero-initialised heads, so every term matters
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
+    save_drafter(net, tmp_path, "float64")
+    net = net.double()
+    tgt = Qwen3Model.from_pretrained(str(tmp / "target"), dtype="float64")
+    dr = Drafter.from_pretrained(str(tmp_path), tgt)
+    B, L, V = 2, 24, tgt.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    seqs = torch.randint(0, V, (B, L), generator=g)
+    anchors = torch.tensor([[1, 6, 17], [2, 3, 12]])  # overlapping blocks, first and last anchors
+    _, feats, _ = target_forward(tgt, seqs, capture=ids, logits=False)
+    block = torch.full((B, 3, gamma), 3)
+    block[:, :, 0] = torch.gather(seqs, 1, anchors)
+    h = drafter_block_forward(net, Rotary(tgt.config, torch.float64, "cpu"), tgt.embed_tokens,
+                              feats, block, anchors)
+    for b in range(B):
+        for a in range(3):
+            p = int(anchors[b, a])
+            cache = dr.make_cache(p + gamma, 1)
+            dr.context_update(feats[b, :p], torch.arange(p), torch.arange(p), cache)
+            meta = AttnMeta(torch.tensor([0, gamma], dtype=torch.int32),
+                            torch.tensor([p + gamma], dtype=torch.int32),
+                            torch.arange(p + gamma, dtype=torch.int32)[None],
+                            torch.arange(p, p + gamma), causal=False)
+            ref = dr.forward_block(block[b, a], torch.arange(p, p + gamma), meta, cache)
+            torch.testing.assert_close(h[b, a], ref, rtol=1e-10, atol=1e-12)
+    # heads: the runtime samples greedily; feeding its own tokens back as x_{k-1} must reproduce
+    # its corrected logits z and confidence logits
+    hr = h.reshape(-1, gamma, h.shape[-1])
+    U = tgt.lm_head(hr)
+    anchor = block[:, :, 0].reshape(-1)
+    z = U.clone()
+    w = {k: getattr(dr, k) for k in ("w1", "w2", "gate_w", "gate_b", "conf_w", "conf_b")}
+    R = hr.shape[0]
+    tokens, _, _, conf = reference.markov_sample(
+        z, hr, anchor, dr.head, **w, temperature=torch.zeros(R),
+        seed=torch.zeros(R, dtype=torch.int64), stream=torch.zeros(R, dtype=torch.int64),
+        round_=torch.zeros(R, dtype=torch.int64))
+    prev = torch.cat([anchor[:, None], tokens[:, :-1]], 1)
+    z_train, conf_train = net.heads(U, hr, prev)
+    torch.testing.assert_close(z_train, z, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(conf_train, conf, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(not (PRETRAINED / "target" / "config.json").is_file(),
+                    reason="no shipped pair in dspark_rt/pretrained")
+def test_shipped_pair_decodes_like_ar():
+    prompts = ["def add(a, b):\n    return", "import os\n\n\nclass Cache:\n    def __init__(self"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tgt = str(PRETRAINED / "target")
+    ref = [o.token_ids for o in Decoder.from_pretrained(tgt, mode="ar", dtype="float64")
+           .generate(prompts, params, use_tqdm=False)]
+    for drafter, mode in (("dspark", "dspark"), ("dflash", "dflash")):
+        dec = Decoder.from_pretrained(tgt, str(PRETRAINED / drafter), mode=mode, dtype="float64")
+        outs = dec.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == ref, drafter
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, drafter
+    size = sum(f.stat().st_size for f in PRETRAINED.rglob("*") if f.is_file())
+    assert size <= 15 * 2 ** 20, size
+
+
+@pytest.mark.skipif(not (PRETRAINED / "target" / "config.json").is_file(),
+                    reason="no shipped pair in dspark_rt/pretrained")
+def test_demo_quick_runs_the_shipped_pair(tmp_path):
+    from dspark_rt import demo
+    res = demo.main(tmp_path, quick=True, as_json=True)
+    assert res["pair"] == "shipped"
+    assert all(r["equals_ar"] for r in res["modes"].values())
+    assert res["modes"]["dspark"]["mean_acceptance_length"] > 1.0
+    assert (tmp_path / "acceptance_by_position.png").is_file()
+    assert (tmp_path / "results.json").is_file()
