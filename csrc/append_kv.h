@@ -22,6 +22,25 @@ struct AppendKvParams {
   const int64_t* slot_mapping = nullptr; // [N]
 };
 
+// Shared by both launchers: kOk with *elem_bytes set when there is work, kOk with
+// *elem_bytes = 0 when there is nothing to copy, kBadArgument otherwise.
+inline Status CheckAppendKv(const AppendKvParams& p, int64_t* elem_bytes) {
+  *elem_bytes = 0;
+  if (p.N < 0 || p.h_kv < 1 || p.head_dim < 1 || p.page_size < 1 || p.num_pages < 0) {
+    return Status::kBadArgument;
+  }
+  if (p.N == 0 || p.num_pages == 0) return Status::kOk;
+  if (!p.k || !p.v || !p.k_cache || !p.v_cache || !p.slot_mapping) return Status::kBadArgument;
+  switch (p.dtype) {
+    case DType::kFloat64: *elem_bytes = 8; break;
+    case DType::kFloat32: *elem_bytes = 4; break;
+    case DType::kFloat16:
+    case DType::kBFloat16: *elem_bytes = 2; break;
+    default: return Status::kBadArgument;
+  }
+  return Status::kOk;
+}
+
 Status AppendKvCpu(const AppendKvParams& p);
 Status AppendKvCuda(const AppendKvParams& p, void* stream);
 

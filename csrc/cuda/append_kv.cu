@@ -48,17 +48,9 @@ namespace dspark {
 
 Status AppendKvCuda(const AppendKvParams& p, void* stream) {
   using namespace dspark::cuda;
-  if (p.N < 0 || p.h_kv < 1 || p.head_dim < 1 || p.page_size < 1 || p.num_pages < 0) return Status::kBadArgument;
-  if (p.N == 0 || p.num_pages == 0) return Status::kOk;
-  if (!p.k || !p.v || !p.k_cache || !p.v_cache || !p.slot_mapping) return Status::kBadArgument;
   int64_t elem = 0;
-  switch (p.dtype) {
-    case DType::kFloat64: elem = 8; break;
-    case DType::kFloat32: elem = 4; break;
-    case DType::kFloat16:
-    case DType::kBFloat16: elem = 2; break;
-    default: return Status::kBadArgument;
-  }
+  const Status st = CheckAppendKv(p, &elem);
+  if (st != Status::kOk || elem == 0) return st;
   const int64_t row_bytes = p.h_kv * p.head_dim * elem;
   const cudaStream_t s = AsStream(stream);
   DeviceGuard guard(s);
