@@ -201,7 +201,7 @@ class Decoder:
         try:
             logits = runner.prefill(reqs)
             logits, cu, acc, out = runner.sample_first(reqs, logits)
-            emitted = self._apply(reqs, acc, out, logits, cu[:-1].tolist(), bar)
+            self._apply(reqs, acc, out, logits, cu[:-1].tolist(), bar)
             active = [r for r in reqs if not r.finished]
             while active:
                 res = runner.step(active)
