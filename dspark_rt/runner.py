@@ -136,14 +136,20 @@ class Runner:
         return self.prefill_chunks(reqs, [0] * len(reqs), [len(r.prompt_ids) for r in reqs],
                                    [r.prompt_ids for r in reqs])
 
-    def prefill_chunks(self, reqs, starts, ends, tokens) -> torch.Tensor:
+    def prefill_chunks(self, reqs, starts, ends, tokens, shared=None) -> torch.Tensor:
         """Runs tokens[i] at positions starts[i] .. ends[i]-1 of each request through the target
         (and their features into the drafter's context). Returns the logits of each chunk's last
-        position [R, V]."""
+        position [R, V]. shared[i]: how many leading positions of chunk i already sit in
+        prefix-cached target pages: they are recomputed only for their features, and their K/V
+        is not written (slot -1), since other requests may be reading those pages."""
         counts = [e - s for s, e in zip(starts, ends)]
         for r, e in zip(reqs, ends):
             self._grow(r.target_pages, self.talloc, e)
         meta, pos = self._meta([r.target_pages for r in reqs], starts, counts, True)
+        if shared and any(shared):
+            lo = meta.cu_q[:-1].tolist()
+            for i, n in enumerate(shared):
+                meta.slot_mapping[lo[i] : lo[i] + n] = -1
         ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.int64, device=self.device)
         last = (meta.cu_q[1:] - 1).long()
         logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture,

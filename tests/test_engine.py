@@ -117,3 +117,49 @@ def test_decoder_stream(pair):
     dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", dtype="float64")
     deltas = list(dec.stream([3, 1, 4], SamplingParams(max_tokens=9, **GREEDY)))
     assert [t for d in deltas for t in d.new_token_ids] == _alone(pair[0], [3, 1, 4], 9)
+
+
+@pytest.mark.parametrize("drafter_cached", [True, False])
+def test_prefix_cache_keeps_outputs_and_acceptance(pair, drafter_cached):
+    """Requests sharing a long prefix reuse its target pages; the drafter's context for the
+    cached prefix is reused (drafter_cached) or rebuilt from target features (rebuild mode).
+    Either way tokens AND acceptance equal a run without any caching: a wrong drafter context
+    would keep the tokens (verification is lossless) but change which drafts are accepted."""
+    target, drafter = pair
+    common = [rng_tok for rng_tok in random.Random(5).choices(range(90), k=27)]
+    prompts = [common + [i, i + 1] for i in range(4)]
+
+    def run(caching):
+        dec = Decoder.from_pretrained(target, drafter, mode="dspark", dtype="float64", page_size=4)
+        eng = Engine(dec, num_pages=128, enable_prefix_caching=caching)
+        if caching and not drafter_cached:
+            eng.drafter_blocks.enable_prefix_caching = False
+        starts, outs = [], {}
+        real = eng.scheduler.schedule
+
+        def schedule():
+            out = real()
+            starts.extend((c.req.request_id, c.start, c.target_from) for c in out.prefills)
+            return out
+
+        eng.scheduler.schedule = schedule
+        for p in prompts:  # one after another, so later ones find the first one's pages
+            if caching and not drafter_cached:  # nothing in the drafter cache may be reused
+                eng.runner.dcache.k_all.normal_()
+                eng.runner.dcache.v_all.normal_()
+            for o in eng.stream(p, SamplingParams(max_tokens=10, **GREEDY)):
+                if o.finished:
+                    outs[o.request_id] = o.output
+        return outs, starts, eng
+
+    ref, _, _ = run(False)
+    got, starts, eng = run(True)
+    first = {rid: (s, t) for rid, s, t in reversed(starts)}  # each request's first chunk
+    later = [first[rid] for rid in sorted(first)[1:]]
+    assert all(t >= 24 for _, t in later), f"no prefix hit: {later}"
+    if not drafter_cached:
+        assert all(s == 0 for s, _ in later), "rebuild mode must recompute the drafter context"
+    for rid in ref:
+        assert got[rid].token_ids == ref[rid].token_ids
+        assert got[rid].metrics.as_dict() == ref[rid].metrics.as_dict()
+    assert eng.target_blocks.num_used == 0

@@ -34,7 +34,8 @@ class Engine:
     (target and drafter) of decoder.runner.page_size tokens."""
 
     def __init__(self, decoder, *, num_pages: int = 512, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, chunk_size: int = 256, watermark: float = 0.01):
+                 max_num_batched_tokens: int = 1024, chunk_size: int = 256, watermark: float = 0.01,
+                 enable_prefix_caching: bool = True):
         for name, v in (("num_pages", num_pages), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size)):
             if not isinstance(v, int) or v < 1:
@@ -42,11 +43,15 @@ class Engine:
         self.decoder, self.runner = decoder, decoder.runner
         r = self.runner
         r.allocate_caches(num_pages)
-        self.target_blocks = BlockManager(num_pages, r.page_size, enable_prefix_caching=False,
-                                          name="target")
+        # Full pages of committed tokens are shared between requests with the same prefix (hash of
+        # the token ids). Drafter context is a function of the prefix too, so its pages are cached
+        # alike; where the drafter hit is shorter, its context is rebuilt from target features.
+        self.target_blocks = BlockManager(num_pages, r.page_size,
+                                          enable_prefix_caching=enable_prefix_caching, name="target")
         self.drafter_blocks = None
         if r.mode != "ar":
-            self.drafter_blocks = BlockManager(num_pages, r.page_size, enable_prefix_caching=False,
+            self.drafter_blocks = BlockManager(num_pages, r.page_size,
+                                               enable_prefix_caching=enable_prefix_caching,
                                                name="drafter")
         block = decoder.drafter.block_size if r.mode != "ar" else 0
         self.scheduler = RequestScheduler(max_num_seqs, max_num_batched_tokens, self.target_blocks,
@@ -108,7 +113,9 @@ class Engine:
         runner, dec = self.runner, self.decoder
         reqs = [c.req for c in chunks]
         logits = runner.prefill_chunks(reqs, [c.start for c in chunks], [c.end for c in chunks],
-                                       [list(all_tokens(c.req)[c.start:c.end]) for c in chunks])
+                                       [list(all_tokens(c.req)[c.start:c.end]) for c in chunks],
+                                       [min(c.num_tokens, max(0, c.target_from - c.start))
+                                        for c in chunks])
         first = [i for i, c in enumerate(chunks) if c.is_last and not c.req.output_ids]
         for c in chunks:
             if c.is_last and c.req.output_ids:  # resumed after preemption: nothing to sample
