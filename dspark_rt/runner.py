@@ -4,6 +4,7 @@ Modes share this code: "ar" verifies only the anchor (plain decoding), "dflash" 
 backbone alone and verifies every draft, "dspark" adds the sequential head, the confidence head
 and a verify-length policy.
 """
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,9 @@ class Runner:
         self._head_weights = self._cast_head_weights() if mode != "ar" else {}
         self.tcache = self.dcache = None
         self.talloc = self.dalloc = None
+        # Set to a dict to accumulate seconds per round phase (benchmarks); costs one device
+        # sync per phase when set, nothing when None.
+        self.phase_times: dict[str, float] | None = None
 
     # -- caches ------------------------------------------------------------------------------
 
@@ -173,6 +177,21 @@ class Runner:
 
     # -- one round ---------------------------------------------------------------------------
 
+    def _phase_start(self) -> float:
+        if self.phase_times is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _phase(self, name: str, t0: float) -> float:
+        """Adds the time since t0 to phase `name` (when timing is on); returns the new t0."""
+        if self.phase_times is None:
+            return t0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phase_times[name] = self.phase_times.get(name, 0.0) + now - t0
+        return now
+
     def draft(self, reqs: list[Request]):
         """Parallel drafting then the sequential head. Returns (tokens [R, gamma], z [R, gamma, V],
         lse [R, gamma], conf_logit [R, gamma])."""
@@ -186,13 +205,16 @@ class Runner:
         anchor = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=self.device)
         ids = torch.full((R, B), d.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = anchor
+        t0 = self._phase_start()
         hidden = d.forward_block(ids.view(-1), pos, meta, self.dcache).view(R, B, -1)
         h = hidden[:, :gamma] if d.layout == "anchor_first" else hidden[:, 1:]
         h = h.contiguous()
         U = self.target.lm_head(h.reshape(R * gamma, -1)).to(self.logits_dtype).view(R, gamma, -1)
+        t0 = self._phase("draft_forward", t0)
         tokens, _, lse, conf = ops.markov_sample(
             U, h.to(self.logits_dtype), anchor, self.head, **self._head_weights,
             **self._rng(reqs))
+        self._phase("sequential_head", t0)
         return tokens, U, lse, conf
 
     def _rng(self, reqs):
@@ -229,6 +251,7 @@ class Runner:
         R, gamma = len(reqs), self.gamma
         if gamma:
             tokens, z, lse, conf = self.draft(reqs)
+            t0 = time.perf_counter()
             # The target's own token is emitted too, and the chain must stay inside the context.
             cap = torch.tensor([max(0, min(r.remaining - 1, self.max_len - 2 - r.kv_len))
                                 for r in reqs], dtype=torch.int64)
@@ -240,10 +263,12 @@ class Runner:
                 else FixedPolicy().lengths(None, None, cap, gamma)
             lengths = lengths.tolist()
             chains = [[r.anchor] + tokens[i, : lengths[i]].tolist() for i, r in enumerate(reqs)]
+            self._phase("schedule", t0)
         else:
             tokens = z = lse = conf = None
             lengths = [0] * R
             chains = [[r.anchor] for r in reqs]
+        t0 = time.perf_counter()
         counts = [len(c) for c in chains]
         for r, n in zip(reqs, counts):
             self._grow(r.target_pages, self.talloc, r.kv_len + n)
@@ -251,11 +276,15 @@ class Runner:
         ids = torch.tensor([t for c in chains for t in c], dtype=torch.int64, device=self.device)
         logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture)
         logits = self._filter(reqs, logits.to(self.logits_dtype), meta.cu_q)
+        t0 = self._phase("verify_forward", t0)
         acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **self._rng(reqs))
+        self._phase("accept", t0)
         has_conf = self.mode == "dspark" and self.drafter.conf_w is not None
         return RoundResult(acc, out, lengths, logits, meta.cu_q, feats, conf if has_conf else None)
 
     def commit_context(self, reqs, starts, counts, feats, row_starts):
         """After commit: drafter context for the anchor and accepted drafts of each request."""
         if self.mode != "ar" and reqs:
+            t0 = time.perf_counter()
             self._context_update(reqs, starts, counts, feats, row_starts)
+            self._phase("context_update", t0)

@@ -180,3 +180,15 @@ def test_sync_policy_profiles_once_and_reuses_the_cache(tiny_target, tiny_drafte
     out = second.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                           use_tqdm=False)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_phase_timing_is_opt_in(dec):
+    assert dec.runner.phase_times is None
+    dec.runner.phase_times = {}
+    try:
+        dec.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        assert {"draft_forward", "sequential_head", "schedule", "verify_forward", "accept",
+                "context_update"} <= set(dec.runner.phase_times)
+        assert all(v >= 0 for v in dec.runner.phase_times.values())
+    finally:
+        dec.runner.phase_times = None
