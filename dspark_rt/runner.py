@@ -262,7 +262,8 @@ class Runner:
             lengths = self.policy.lengths(c_hat, survival, cap, gamma) if self.mode == "dspark" \
                 else FixedPolicy().lengths(None, None, cap, gamma)
             lengths = lengths.tolist()
-            chains = [[r.anchor] + tokens[i, : lengths[i]].tolist() for i, r in enumerate(reqs)]
+            drafts = tokens.tolist()  # one device-to-host copy for the whole batch
+            chains = [[r.anchor] + drafts[i][: lengths[i]] for i, r in enumerate(reqs)]
             self._phase("schedule", t0)
         else:
             tokens = z = lse = conf = None

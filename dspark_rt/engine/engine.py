@@ -129,10 +129,10 @@ class Engine:
         runner, dec = self.runner, self.decoder
         res = runner.step(reqs)
         # A request whose target logits hold NaN or +inf fails alone; the others go on.
-        rows_bad = torch.isnan(res.logits).any(-1) | torch.isposinf(res.logits).any(-1)
+        rows_bad = (torch.isnan(res.logits).any(-1) | torch.isposinf(res.logits).any(-1)).tolist()
         cu = res.cu_rows.tolist()
         errors = {r.request_id: "NaN or inf in the target's logits"
-                  for i, r in enumerate(reqs) if bool(rows_bad[cu[i]:cu[i + 1]].any())}
+                  for i, r in enumerate(reqs) if any(rows_bad[cu[i]:cu[i + 1]])}
         starts = [r.kv_len for r in reqs]
         if dec.round_log is not None:
             dec.round_log.append(dec._log_entry(reqs, res))
