@@ -73,6 +73,7 @@ class Decoder:
         self.runner = Runner(target, drafter, mode, self.policy, calibration, page_size, self.device)
         self._seed = seed
         self._next_id = 0
+        self._engine = None  # generate and stream run on it (see _engine_for)
         # Set to a list to record every round (calibration and diagnostics read it).
         self.round_log: list[dict] | None = None
         self.max_model_len = target.config.max_position_embeddings
@@ -189,57 +190,72 @@ class Decoder:
 
     def stream(self, prompt, params=None, *, num_pages: int = 512):
         """Yields the request's new tokens round by round (engine.StepOutput: new_token_ids,
-        finished, and the full RequestOutput on the last one)."""
+        finished, and the full RequestOutput on the last one). Other open streams of this
+        Decoder advance in the same rounds."""
+        req = self._make_request(0, prompt, params or SamplingParams())
+        eng = self._engine_for([req], num_pages)
+        eng._add(req)
+        yield from eng._stream(req)
+
+    def _engine_for(self, reqs: list[Request], min_pages: int = 0):
+        """The Decoder's Engine, (re)built when its caches cannot hold these requests' whole
+        lifetimes at once (offline batches run without preemption)."""
         from .engine.engine import Engine
-        yield from Engine(self, num_pages=num_pages).stream(prompt, params)
+        r = self.runner
+        slack = r.gamma + (self.drafter.block_size if r.mode != "ar" else 0) + 2
+        need = sum(-(-(len(q.prompt_ids) + q.params.max_tokens + slack) // r.page_size) for q in reqs)
+        need = max(min_pages, need + need // 50 + 1)  # + the admission watermark
+        seqs, budget = len(reqs), max(8192, len(reqs) * (1 + r.gamma))
+        eng = self._engine
+        if eng is not None and eng.owns_caches and eng.has_unfinished():
+            # Open streams share the Engine (and its pool, with preemption when short).
+            seqs += len(eng.requests)
+            budget = max(budget, seqs * (1 + r.gamma))
+        elif eng is None or not eng.owns_caches or eng.num_pages < need:
+            eng = self._engine = Engine(self, num_pages=need, max_num_seqs=seqs,
+                                        max_num_batched_tokens=budget, chunk_size=budget)
+        eng.scheduler.max_num_seqs = max(eng.scheduler.max_num_seqs, seqs)
+        eng.scheduler.max_num_batched_tokens = max(eng.scheduler.max_num_batched_tokens, budget)
+        return eng
 
     def _run(self, reqs: list[Request], use_tqdm: bool):
-        runner = self.runner
-        runner.reserve(reqs)
-        total = sum(r.params.max_tokens for r in reqs)
-        bar = tqdm(total=total, desc=f"dspark_rt {self.mode}", unit="tok", disable=not use_tqdm)
+        eng = self._engine_for(reqs)
         try:
-            logits = runner.prefill(reqs)
-            logits, cu, acc, out = runner.sample_first(reqs, logits)
-            self._apply(reqs, acc, out, logits, cu[:-1].tolist(), bar)
-            active = [r for r in reqs if not r.finished]
-            while active:
-                res = runner.step(active)
-                starts = [r.kv_len for r in active]
-                if self.round_log is not None:
-                    self.round_log.append(self._log_entry(active, res))
-                cu = res.cu_rows
-                emitted = self._apply(active, res.num_accepted, res.out_tokens, res.logits,
-                                      cu[:-1].tolist(), bar, res.lengths)
-                # Every request commits its anchor and accepted drafts: positions p .. p + a.
-                keep = [i for i, r in enumerate(active) if not r.finished]
-                runner.commit_context([active[i] for i in keep], [starts[i] for i in keep],
-                                      [emitted[i] for i in keep], res.features,
-                                      [int(cu[i]) for i in keep])
-                active = [active[i] for i in keep]
-                if use_tqdm:
-                    bar.set_postfix(tau=f"{self._tau(reqs):.2f}")
+            for q in reqs:
+                eng._add(q)
+        except ValueError:  # too big for the pool of open streams: queue none of the batch
+            for q in reqs:
+                eng.abort(q.request_id)
+            raise
+        bar = tqdm(total=sum(q.params.max_tokens for q in reqs), desc=f"dspark_rt {self.mode}",
+                   unit="tok", disable=not use_tqdm)
+        try:
+            while any(not q.finished for q in reqs):
+                outs = eng.step()
+                bar.update(sum(len(o.new_token_ids) for o in outs))
+                if use_tqdm and self.runner.gamma:
+                    bar.set_postfix(tau=f"{self._tau(reqs):.2f}", refresh=False)
         finally:
             bar.close()
-            for r in reqs:
-                runner.release(r)
+            for q in reqs:  # on an interrupt: nothing stays queued or holds pages
+                if not q.finished and eng.owns_caches:
+                    eng.abort(q.request_id)
 
-    def _apply(self, reqs, acc, out, logits, row_starts, bar, lengths=None):
-        """Commits each request's emitted tokens (its target logits start at row row_starts[i]);
-        returns how many positions each committed into the KV cache (anchor + accepted drafts)."""
-        acc, out = acc.tolist(), out.tolist()
+    def _apply(self, reqs, tokens, logits, row_starts, lengths=None):
+        """Commits each request's emitted tokens (x_1 .. x_a, y; its target logits start at row
+        row_starts[i]); returns how many positions each committed into the KV cache (anchor +
+        accepted drafts)."""
         committed = []
         for i, r in enumerate(reqs):
-            a = acc[i]
-            toks = out[i][: a + 1]
+            toks = tokens[i]
+            a = len(toks) - 1
             lp = None
             if r.params.logprobs:
                 rows = torch.log_softmax(logits[row_starts[i] : row_starts[i] + a + 1].double(), dim=-1)
-                lp = rows.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
+                lp = rows.gather(1, torch.tensor(toks, device=rows.device)[:, None])[:, 0].tolist()
             if lengths is not None and self.runner.gamma:
                 r.metrics.record(lengths[i], a)
-            n = self._commit(r, toks, lp)
-            bar.update(n)
+            self._commit(r, toks, lp)
             if r.anchor >= 0:  # a decode round: anchor and accepted drafts enter the cache
                 r.kv_len += a + 1
             r.anchor = toks[-1]
@@ -251,7 +267,7 @@ class Decoder:
     def _log_entry(reqs, res) -> dict:
         return {"request_ids": [r.request_id for r in reqs],
                 "lengths": list(res.lengths),
-                "accepted": res.num_accepted.tolist(),
+                "accepted": list(res.num_accepted),
                 "conf_logit": None if res.conf_logit is None else res.conf_logit.float().cpu()}
 
     @staticmethod

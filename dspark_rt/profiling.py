@@ -127,7 +127,7 @@ class RoundWorkload:
         self.policy.next = torch.tensor(lengths, dtype=torch.int64)
         res = self.runner.step(reqs)
         self.runner.commit_context(reqs, [r.kv_len for r in reqs], [1 + n for n in res.lengths],
-                                   res.features, res.cu_rows[:-1].tolist())
+                                   res.features, res.cu_rows[:-1])
         for r in reqs:  # nothing advances: the next call reuses the same scratch slots
             r.ctx_len = r.kv_len
 

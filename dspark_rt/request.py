@@ -26,6 +26,7 @@ class Request:
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""
 
     @property

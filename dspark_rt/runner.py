@@ -21,12 +21,14 @@ MODES = ("ar", "dflash", "dspark")
 
 @dataclass
 class RoundResult:
-    """What one round produced, for commit and for logging (calibration, diagnostics)."""
-    num_accepted: torch.Tensor  # [R] int32
-    out_tokens: torch.Tensor    # [R, gamma + 1] int64, -1 padded
+    """What one round produced. The per-request results come to the host in one copy; logits and
+    features stay on the device (logprobs and the drafter context update read them there)."""
+    num_accepted: list[int]     # per request
+    out_tokens: list[list[int]]  # per request: x_1 .. x_a, y (emitted tokens)
+    failed: list[bool]          # NaN or +inf in one of the request's target rows
     lengths: list[int]          # verified drafts per request
-    logits: torch.Tensor        # [N, V] target logits of the verify forward
-    cu_rows: torch.Tensor       # [R + 1] int32 rows of each request in logits / features
+    logits: torch.Tensor        # [N, V] target logits of the verify forward (device)
+    cu_rows: list[int]          # [R + 1] rows of each request in logits / features
     features: torch.Tensor | None  # [N, m * d] target features for the drafter context
     conf_logit: torch.Tensor | None  # [R, gamma] raw confidence logits (dspark with a head)
 
@@ -54,6 +56,12 @@ class Runner:
         # Set to a dict to accumulate seconds per round phase (benchmarks); costs one device
         # sync per phase when set, nothing when None.
         self.phase_times: dict[str, float] | None = None
+        # Device-to-host reads, all through _to_host: a decode round costs one (the emitted
+        # tokens), two when the policy reads confidences; benchmarks report the count.
+        self.host_reads = 0
+        self.rounds = self.round_host_reads = 0  # rounds run, and host reads inside them
+        # Benchmark-only acceptance override (dspark_rt.synthetic.install); None when serving.
+        self.synthetic = None
 
     # -- caches ------------------------------------------------------------------------------
 
@@ -114,24 +122,43 @@ class Runner:
                                    "the request scheduler reserved")
             pages.extend(alloc.allocate(missing))
 
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """The runner's only device-to-host read (a synchronisation on a GPU)."""
+        self.host_reads += 1
+        return t.cpu()
+
+    def _upload(self, data, dtype) -> torch.Tensor:
+        """Host data -> device without waiting for the device (H2D copies never synchronise)."""
+        t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+        return t.to(self.device, dtype, non_blocking=True)
+
     def _meta(self, page_lists, starts, counts, causal):
-        """AttnMeta for chains of counts[r] new tokens at positions starts[r].. of each request."""
-        ps, dev = self.page_size, self.device
-        cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
+        """AttnMeta for chains of counts[r] new tokens at positions starts[r].. of each request,
+        built on the host and uploaded in one copy. Returns (meta, positions [N] on the device,
+        cu [R + 1] on the host)."""
+        ps, R = self.page_size, len(counts)
         width = max(1, max(len(p) for p in page_lists))
-        tables = torch.zeros(len(page_lists), width, dtype=torch.int32)
+        tables = torch.zeros(R, width, dtype=torch.int64)
         slots, positions = [], []
         for i, (pages, s, n) in enumerate(zip(page_lists, starts, counts)):
-            tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
             pos = torch.arange(s, s + n)
-            page_ids = torch.tensor(pages, dtype=torch.int64)[pos // ps]
-            slots.append(page_ids * ps + pos % ps)
+            slots.append(tables[i][pos // ps] * ps + pos % ps)
             positions.append(pos)
-        kv_lens = torch.tensor([s + n for s, n in zip(starts, counts)], dtype=torch.int32)
-        meta = AttnMeta(cu.to(dev), kv_lens.to(dev), tables.to(dev),
-                        torch.cat(slots).to(dev), causal)
-        return meta, torch.cat(positions).to(dev)
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        N = cu[-1]
+        host = torch.cat([torch.tensor(cu), torch.tensor([s + n for s, n in zip(starts, counts)]),
+                          tables.view(-1), torch.cat(slots), torch.cat(positions)])
+        dev = self._upload(host, torch.int64)
+        o = R + 1
+        cu_q, kv_lens = dev[:o].int(), dev[o : o + R].int()
+        o += R
+        block_tables = dev[o : o + R * width].view(R, width).int()
+        o += R * width
+        meta = AttnMeta(cu_q, kv_lens, block_tables, dev[o : o + N], causal)
+        return meta, dev[o + N :], cu
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -149,28 +176,28 @@ class Runner:
         counts = [e - s for s, e in zip(starts, ends)]
         for r, e in zip(reqs, ends):
             self._grow(r.target_pages, self.talloc, e)
-        meta, pos = self._meta([r.target_pages for r in reqs], starts, counts, True)
-        if shared and any(shared):
-            lo = meta.cu_q[:-1].tolist()
-            for i, n in enumerate(shared):
-                meta.slot_mapping[lo[i] : lo[i] + n] = -1
-        ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.int64, device=self.device)
-        last = (meta.cu_q[1:] - 1).long()
+        meta, pos, cu = self._meta([r.target_pages for r in reqs], starts, counts, True)
+        for i, n in enumerate(shared or []):
+            if n:
+                meta.slot_mapping[cu[i] : cu[i] + n] = -1
+        ids = self._upload([t for chunk in tokens for t in chunk], torch.int64)
+        last = self._upload([c - 1 for c in cu[1:]], torch.int64)
         logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture,
                                             logits_rows=last)
         for r, e in zip(reqs, ends):
             r.kv_len = max(r.kv_len, e)
         if self.mode != "ar":
-            self._context_update(reqs, starts, counts, feats, meta.cu_q[:-1].tolist())
+            self._context_update(reqs, starts, counts, feats, cu[:-1])
         return logits.to(self.logits_dtype)
 
     def _context_update(self, reqs, starts, counts, feats, row_starts):
         """Projects the target features of committed positions starts[r] .. +counts[r] (rows
         row_starts[r] .. of feats) into the drafter's context cache (DESIGN §2 step 7)."""
-        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(row_starts, counts)]).to(self.device)
+        rows = self._upload(torch.cat([torch.arange(s, s + n) for s, n in zip(row_starts, counts)]),
+                            torch.int64)
         for r, s, n in zip(reqs, starts, counts):
             self._grow(r.drafter_pages, self.dalloc, s + n)
-        meta, pos = self._meta([r.drafter_pages for r in reqs], starts, counts, False)
+        meta, pos, _ = self._meta([r.drafter_pages for r in reqs], starts, counts, False)
         self.drafter.context_update(feats[rows], pos, meta.slot_mapping, self.dcache)
         for r, s, n in zip(reqs, starts, counts):
             r.ctx_len = s + n
@@ -201,8 +228,8 @@ class Runner:
             self._grow(r.drafter_pages, self.dalloc, r.ctx_len + B)
         # The block's K/V go to scratch slots right after the context; the context update of
         # committed positions overwrites them later.
-        meta, pos = self._meta([r.drafter_pages for r in reqs], [r.ctx_len for r in reqs], [B] * R, False)
-        anchor = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=self.device)
+        meta, pos, _ = self._meta([r.drafter_pages for r in reqs], [r.ctx_len for r in reqs], [B] * R, False)
+        anchor = self._upload([r.anchor for r in reqs], torch.int64)
         ids = torch.full((R, B), d.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = anchor
         t0 = self._phase_start()
@@ -215,73 +242,93 @@ class Runner:
             U, h.to(self.logits_dtype), anchor, self.head, **self._head_weights,
             **self._rng(reqs))
         self._phase("sequential_head", t0)
-        return tokens, U, lse, conf
+        return tokens, U, lse, conf, anchor
 
     def _rng(self, reqs):
-        dev = self.device
         seeds = [r.seed - (1 << 64) if r.seed >= (1 << 63) else r.seed for r in reqs]
-        return dict(
-            temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
-            seed=torch.tensor(seeds, dtype=torch.int64, device=dev),
-            stream=torch.tensor([r.stream for r in reqs], dtype=torch.int64, device=dev),
-            round_=torch.tensor([r.round for r in reqs], dtype=torch.int64, device=dev))
+        ints = self._upload([seeds, [r.stream for r in reqs], [r.round for r in reqs]], torch.int64)
+        return dict(temperature=self._upload([r.params.temperature for r in reqs], torch.float32),
+                    seed=ints[0], stream=ints[1], round_=ints[2])
 
-    def _filter(self, reqs, logits, cu_rows):
+    def _filter(self, reqs, logits, cu_rows: list[int]):
         """Applies each request's top-k / top-p to its rows of target logits."""
         for i, r in enumerate(reqs):
             p = r.params
             if p.greedy or (p.top_k <= 0 and p.top_p >= 1.0):
                 continue
-            lo, hi = int(cu_rows[i]), int(cu_rows[i + 1])
+            lo, hi = cu_rows[i], cu_rows[i + 1]
             rows = logits[lo:hi]
             kept = filter_rows(rows / p.temperature, p.top_k, p.top_p)
             logits[lo:hi] = rows.masked_fill(torch.isinf(kept) & ~torch.isinf(rows), float("-inf"))
         return logits
 
+    def _results(self, acc, out, logits, cu: list[int]):
+        """One host copy of what the host needs from a round: accepted counts, emitted tokens and
+        whether a request's logits hold NaN or +inf (that request fails alone)."""
+        R = len(cu) - 1
+        bad_rows = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+        owner = self._upload(torch.repeat_interleave(torch.arange(R), torch.tensor(cu).diff()), torch.int64)
+        bad = torch.zeros(R, dtype=torch.int64, device=logits.device).index_add_(0, owner, bad_rows.long())
+        host = self._to_host(torch.cat([acc.long()[:, None], bad[:, None], out], 1)).tolist()
+        acc_h = [row[0] for row in host]
+        return acc_h, [row[2 : 3 + a] for row, a in zip(host, acc_h)], [row[1] > 0 for row in host]
+
     def sample_first(self, reqs: list[Request], logits: torch.Tensor):
-        """The token after the prompt: a round with no drafts (round 0)."""
+        """The token after the prompt: a round with no drafts (round 0). Returns (filtered logits,
+        emitted tokens per request, failed per request)."""
         R = len(reqs)
-        cu = torch.arange(R + 1, dtype=torch.int32, device=self.device)
+        cu = list(range(R + 1))
         logits = self._filter(reqs, logits, cu)
-        acc, out = ops.rejection_sample(logits, cu, None, None, None, **self._rng(reqs))
-        return logits, cu, acc, out
+        acc, out = ops.rejection_sample(logits, self._upload(cu, torch.int32), None, None, None,
+                                        **self._rng(reqs))
+        _, toks, failed = self._results(acc, out, logits, cu)
+        return logits, toks, failed
 
     def step(self, reqs: list[Request]) -> RoundResult:
-        """One round for requests whose anchor is set."""
+        """One round for requests whose anchor is set. Device-to-host reads: the confidences when
+        the policy needs them, and the round's results at the end."""
         R, gamma = len(reqs), self.gamma
+        reads0 = self.host_reads
         if gamma:
-            tokens, z, lse, conf = self.draft(reqs)
+            tokens, z, lse, conf, anchor = self.draft(reqs)
             t0 = time.perf_counter()
+            if self.synthetic is not None:
+                conf = self.synthetic.conf_logit(R, gamma, conf if conf is not None else z)
             # The target's own token is emitted too, and the chain must stay inside the context.
             cap = torch.tensor([max(0, min(r.remaining - 1, self.max_len - 2 - r.kv_len))
                                 for r in reqs], dtype=torch.int64)
             if self.mode == "dspark" and self.policy.needs_confidence:
-                c_hat, survival = self.calibration.apply(conf.cpu())
+                c_hat, survival = self.calibration.apply(self._to_host(conf))
             else:
                 c_hat = survival = None
             lengths = self.policy.lengths(c_hat, survival, cap, gamma) if self.mode == "dspark" \
                 else FixedPolicy().lengths(None, None, cap, gamma)
             lengths = lengths.tolist()
-            drafts = tokens.tolist()  # one device-to-host copy for the whole batch
-            chains = [[r.anchor] + drafts[i][: lengths[i]] for i, r in enumerate(reqs)]
+            # Chains [anchor, x_1 .. x_l] gathered on the device: the drafts never visit the host.
+            pick = [i * (gamma + 1) + k for i, n in enumerate(lengths) for k in range(n + 1)]
+            ids = torch.cat([anchor[:, None], tokens], 1).view(-1)[self._upload(pick, torch.int64)]
             self._phase("schedule", t0)
         else:
             tokens = z = lse = conf = None
             lengths = [0] * R
-            chains = [[r.anchor] for r in reqs]
+            ids = self._upload([r.anchor for r in reqs], torch.int64)
         t0 = time.perf_counter()
-        counts = [len(c) for c in chains]
+        counts = [n + 1 for n in lengths]
         for r, n in zip(reqs, counts):
             self._grow(r.target_pages, self.talloc, r.kv_len + n)
-        meta, pos = self._meta([r.target_pages for r in reqs], [r.kv_len for r in reqs], counts, True)
-        ids = torch.tensor([t for c in chains for t in c], dtype=torch.int64, device=self.device)
+        meta, pos, cu = self._meta([r.target_pages for r in reqs], [r.kv_len for r in reqs], counts, True)
         logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture)
-        logits = self._filter(reqs, logits.to(self.logits_dtype), meta.cu_q)
+        logits = self._filter(reqs, logits.to(self.logits_dtype), cu)
         t0 = self._phase("verify_forward", t0)
         acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **self._rng(reqs))
+        if self.synthetic is not None and gamma:
+            acc, out = self.synthetic.accept(tokens, self._upload(lengths, torch.int64), logits, meta.cu_q)
+        acc, out, failed = self._results(acc, out, logits, cu)
         self._phase("accept", t0)
         has_conf = self.mode == "dspark" and self.drafter.conf_w is not None
-        return RoundResult(acc, out, lengths, logits, meta.cu_q, feats, conf if has_conf else None)
+        self.rounds += 1
+        self.round_host_reads += self.host_reads - reads0
+        return RoundResult(acc, out, failed, lengths, logits, cu, feats, conf if has_conf else None)
 
     def commit_context(self, reqs, starts, counts, feats, row_starts):
         """After commit: drafter context for the anchor and accepted drafts of each request."""

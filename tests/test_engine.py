@@ -72,16 +72,16 @@ def test_nan_logits_fail_one_request_only(pair, monkeypatch):
     eng = Engine(dec, num_pages=64)
     ids = [eng.add_request(p, SamplingParams(max_tokens=8, **GREEDY)) for p in ([1, 2, 3], [4, 5], [6])]
     poisoned = ids[1]
-    real_step = eng.runner.step
+    real_filter = eng.runner._filter
 
-    def step(reqs):
-        res = real_step(reqs)
+    def _filter(reqs, logits, cu_rows):  # the target's rows of one request turn NaN
+        logits = real_filter(reqs, logits, cu_rows)
         for i, r in enumerate(reqs):
-            if r.request_id == poisoned:
-                res.logits[int(res.cu_rows[i])] = float("nan")
-        return res
+            if r.request_id == poisoned and r.output_ids:
+                logits[cu_rows[i]] = float("nan")
+        return logits
 
-    monkeypatch.setattr(eng.runner, "step", step)
+    monkeypatch.setattr(eng.runner, "_filter", _filter)
     results = {}
     while eng.has_unfinished():
         for o in eng.step():

@@ -3,20 +3,19 @@
 Engine.add_request / abort / step for callers that run their own loop; Engine.stream yields each
 request's new tokens as they are committed. The request scheduler decides every step which
 requests prefill (in chunks) and which run a DSpark round; the block managers hand out KV pages;
-the runner (shared with Decoder.generate) does the work.
+the runner does the work. Decoder.generate and Decoder.stream run on an Engine too.
+
+An Engine owns its runner's KV caches: a newer Engine on the same Decoder allocates new ones,
+and the older Engine refuses to step from then on.
 """
 from dataclasses import dataclass
-
-import torch
 
 from ..outputs import RequestOutput
 from .block_manager import BlockManager
 from .scheduler import RequestScheduler, all_tokens
 
 
-class _NoBar:
-    def update(self, n):
-        pass
+_BAD_LOGITS = "NaN or inf in the target's logits"
 
 
 @dataclass
@@ -43,6 +42,8 @@ class Engine:
         self.decoder, self.runner = decoder, decoder.runner
         r = self.runner
         r.allocate_caches(num_pages)
+        r.owner = self
+        self.num_pages = num_pages
         # Full pages of committed tokens are shared between requests with the same prefix (hash of
         # the token ids). Drafter context is a function of the prefix too, so its pages are cached
         # alike; where the drafter hit is shorter, its context is rebuilt from target features.
@@ -66,6 +67,11 @@ class Engine:
         argument, and nothing else is affected."""
         from ..sampling_params import SamplingParams
         req = self.decoder._make_request(len(self.requests), prompt, params or SamplingParams())
+        return self._add(req)
+
+    def _add(self, req) -> int:
+        """Queues a request the Decoder already checked (Decoder.generate checks a whole batch
+        before queueing any)."""
         self.scheduler.add(req)
         self.requests[req.request_id] = req
         return req.request_id
@@ -84,23 +90,30 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------------
 
+    @property
+    def owns_caches(self) -> bool:
+        return getattr(self.runner, "owner", None) is self
+
     def step(self) -> list[StepOutput]:
+        if not self.owns_caches:
+            raise RuntimeError("Engine.step: a newer Engine on the same Decoder replaced this one's "
+                               "KV caches; use that Engine")
         out = self.scheduler.schedule()
         before = {rid: len(r.output_ids) for rid, r in self.requests.items()}
         errors = {}
         for req in out.preempted:  # re-prefill rebuilds both caches; the anchor is kept
             req.anchor = req.output_ids[-1] if req.output_ids else -1
         if out.prefills:
-            self._prefill(out.prefills)
+            errors.update(self._prefill(out.prefills))
         if out.decodes:
-            errors = self._decode(out.decodes)
+            errors.update(self._decode(out.decodes))
         results = []
         for rid, req in list(self.requests.items()):
             new = req.output_ids[before.get(rid, 0):]
             if not (new or req.finished or rid in errors):
                 continue
             if rid in errors:
-                req.finish_reason = "error"
+                req.finish_reason, req.error = "error", errors[rid]
             done = req.finished
             if done:
                 self.scheduler.finish(rid)
@@ -109,7 +122,7 @@ class Engine:
                                       self.decoder._output(req) if done else None, errors.get(rid)))
         return results
 
-    def _prefill(self, chunks):
+    def _prefill(self, chunks) -> dict:
         runner, dec = self.runner, self.decoder
         reqs = [c.req for c in chunks]
         logits = runner.prefill_chunks(reqs, [c.start for c in chunks], [c.end for c in chunks],
@@ -120,30 +133,30 @@ class Engine:
         for c in chunks:
             if c.is_last and c.req.output_ids:  # resumed after preemption: nothing to sample
                 c.req.anchor = c.req.output_ids[-1]
-        if first:
-            sel = [reqs[i] for i in first]
-            lg, cu, acc, toks = runner.sample_first(sel, logits[first])
-            dec._apply(sel, acc, toks, lg, cu[:-1].tolist(), _NoBar())
+        if not first:
+            return {}
+        sel = [reqs[i] for i in first]
+        lg, toks, failed = runner.sample_first(sel, logits[first])
+        errors = {r.request_id: _BAD_LOGITS for r, f in zip(sel, failed) if f}
+        ok = [i for i, f in enumerate(failed) if not f]
+        dec._apply([sel[i] for i in ok], [toks[i] for i in ok], lg, ok)
+        return errors
 
     def _decode(self, reqs) -> dict:
         runner, dec = self.runner, self.decoder
+        starts = [r.kv_len for r in reqs]
         res = runner.step(reqs)
         # A request whose target logits hold NaN or +inf fails alone; the others go on.
-        rows_bad = (torch.isnan(res.logits).any(-1) | torch.isposinf(res.logits).any(-1)).tolist()
-        cu = res.cu_rows.tolist()
-        errors = {r.request_id: "NaN or inf in the target's logits"
-                  for i, r in enumerate(reqs) if any(rows_bad[cu[i]:cu[i + 1]])}
-        starts = [r.kv_len for r in reqs]
+        errors = {r.request_id: _BAD_LOGITS for r, f in zip(reqs, res.failed) if f}
         if dec.round_log is not None:
             dec.round_log.append(dec._log_entry(reqs, res))
-        ok = [i for i, r in enumerate(reqs) if r.request_id not in errors]
-        if ok:
-            sub = torch.tensor(ok)
-            emitted = dec._apply([reqs[i] for i in ok], res.num_accepted[sub], res.out_tokens[sub],
-                                 res.logits, [cu[i] for i in ok], _NoBar(), [res.lengths[i] for i in ok])
-            keep = [j for j, i in enumerate(ok) if not reqs[i].finished]
-            runner.commit_context([reqs[ok[j]] for j in keep], [starts[ok[j]] for j in keep],
-                                  [emitted[j] for j in keep], res.features, [cu[ok[j]] for j in keep])
+        ok = [i for i, f in enumerate(res.failed) if not f]
+        cu = res.cu_rows
+        emitted = dec._apply([reqs[i] for i in ok], [res.out_tokens[i] for i in ok], res.logits,
+                             [cu[i] for i in ok], [res.lengths[i] for i in ok])
+        keep = [(i, n) for i, n in zip(ok, emitted) if not reqs[i].finished]
+        runner.commit_context([reqs[i] for i, _ in keep], [starts[i] for i, _ in keep],
+                              [n for _, n in keep], res.features, [cu[i] for i, _ in keep])
         return errors
 
     # -- streaming -----------------------------------------------------------------------------
@@ -151,10 +164,27 @@ class Engine:
     def stream(self, prompt, params=None):
         """Adds one request and yields StepOutput deltas for it until it finishes (other queued
         requests advance too)."""
-        rid = self.add_request(prompt, params)
-        while True:
-            for o in self.step():
-                if o.request_id == rid:
-                    yield o
-                    if o.finished:
+        from ..sampling_params import SamplingParams
+        req = self.decoder._make_request(len(self.requests), prompt, params or SamplingParams())
+        self._add(req)
+        return self._stream(req)
+
+    def _stream(self, req):
+        """Deltas read from the request itself, so that several streams (or a generate call)
+        stepping the same Engine never take each other's tokens. Closing the generator early
+        aborts the request."""
+        sent = 0
+        try:
+            while True:
+                new = req.output_ids[sent:]
+                if new or req.finished:
+                    sent += len(new)
+                    done = req.finished
+                    yield StepOutput(req.request_id, list(new), done,
+                                     self.decoder._output(req) if done else None, req.error)
+                    if done:
                         return
+                self.step()
+        finally:
+            if not req.finished and self.owns_caches:
+                self.abort(req.request_id)

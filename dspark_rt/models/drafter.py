@@ -50,14 +50,21 @@ class Drafter(nn.Module):
         ckpt.check(required, optional, num_layers=dcfg.num_hidden_layers)
         dtype = target.dtype if dtype is None else resolve_dtype(dtype)
         device = target.device if device is None else torch.device(device)
-        tensors = ckpt.load(required, dtype, device)
+        return cls.from_tensors(dcfg, ckpt.load(required, dtype, device), target)
+
+    @classmethod
+    def from_tensors(cls, dcfg: DrafterConfig, tensors: dict, target: Qwen3Model) -> "Drafter":
+        """A drafter over tensors named as in its checkpoint (checkpoint.drafter_specs, required
+        ones), all of one dtype on one device; embedding and LM head are the target's."""
+        tensors = dict(tensors)
         heads = {_HEAD_TENSORS[n]: tensors.pop(n) for n in list(tensors) if n in _HEAD_TENSORS}
         with torch.device("meta"):
             model = cls(dcfg)
         build(model, tensors)
         for attr, t in heads.items():
             setattr(model, attr, t.reshape(-1) if attr == "conf_w" else t)  # [1, k] -> [k]
-        model.rotary = Rotary(dcfg.model, dtype, device)
+        fc = model.fc.weight
+        model.rotary = Rotary(dcfg.model, fc.dtype, fc.device)
         model._embed, model._lm_head = target.embed, target.lm_head
         return model
 

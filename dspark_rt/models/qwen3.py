@@ -171,13 +171,19 @@ class Qwen3Model(nn.Module):
         required, optional = target_specs(cfg)
         ckpt.check(required, optional, num_layers=cfg.num_hidden_layers)
         dtype = pick_dtype(cfg, dtype, device)
-        tensors = ckpt.load(required, dtype, device)
+        return cls.from_tensors(cfg, ckpt.load(required, dtype, device))
+
+    @classmethod
+    def from_tensors(cls, cfg: TargetConfig, tensors: dict) -> "Qwen3Model":
+        """A model over tensors named as in a transformers checkpoint (checkpoint.target_specs),
+        all of one dtype on one device."""
         state = {("lm_head_weight" if n == "lm_head.weight" else n.removeprefix("model.")): t
                  for n, t in tensors.items()}
         with torch.device("meta"):
             model = cls(cfg)
         build(model, state)
-        model.rotary = Rotary(cfg, dtype, device)
+        emb = model.embed_tokens.weight
+        model.rotary = Rotary(cfg, emb.dtype, emb.device)
         return model
 
     @property
