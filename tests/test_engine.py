@@ -163,3 +163,44 @@ def test_prefix_cache_keeps_outputs_and_acceptance(pair, drafter_cached):
         assert got[rid].token_ids == ref[rid].token_ids
         assert got[rid].metrics.as_dict() == ref[rid].metrics.as_dict()
     assert eng.target_blocks.num_used == 0
+
+
+@pytest.mark.parametrize("mode,policy,reads", [("ar", "fixed", 1), ("dflash", "fixed", 1),
+                                               ("dspark", "fixed", 1), ("dspark", "threshold", 2)])
+def test_host_reads_per_round(pair, mode, policy, reads):
+    """A round reads the device once (its results); a policy that reads confidences adds one."""
+    dec = Decoder.from_pretrained(pair[0], None if mode == "ar" else pair[1], mode=mode,
+                                  policy=policy)
+    dec.generate([[1, 2], [3, 4, 5], [6]], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+    r = dec.runner
+    assert r.rounds > 3 and r.round_host_reads == reads * r.rounds
+
+
+def test_generate_and_streams_share_one_engine(pair):
+    """Two open streams and a generate call step the same Engine: no one loses tokens, each
+    output equals its request run alone, and a stream closed early gives its pages back."""
+    dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", dtype="float64")
+    a = dec.stream([5, 6], SamplingParams(max_tokens=14, **GREEDY))
+    b = dec.stream([7], SamplingParams(max_tokens=9, **GREEDY))
+    got_a = list(next(a).new_token_ids)
+    got_b = [t for d in b for t in d.new_token_ids]  # b runs to the end; a advances meanwhile
+    (out,) = dec.generate([[8, 9, 10]], SamplingParams(max_tokens=11, **GREEDY), use_tqdm=False)
+    got_a += [t for d in a for t in d.new_token_ids]
+    assert got_a == _alone(pair[0], [5, 6], 14)
+    assert got_b == _alone(pair[0], [7], 9)
+    assert out.token_ids == _alone(pair[0], [8, 9, 10], 11)
+    c = dec.stream([1, 2, 3], SamplingParams(max_tokens=40, **GREEDY))
+    next(c)
+    c.close()  # closing early aborts the request
+    eng = dec._engine
+    assert not eng.has_unfinished() and eng.target_blocks.num_used == 0
+    assert eng.drafter_blocks.num_used == 0
+
+
+def test_an_older_engine_refuses_to_step(pair):
+    dec = Decoder.from_pretrained(pair[0], mode="ar")
+    old = Engine(dec, num_pages=8)
+    old.add_request([1, 2], SamplingParams(max_tokens=2))
+    Engine(dec, num_pages=8)  # new caches for the same runner
+    with pytest.raises(RuntimeError, match="newer Engine"):
+        old.step()
