@@ -11,7 +11,7 @@ from .policy import Calibration, FixedPolicy, make_policy
 from .request import Request
 from .runner import MODES, Runner
 from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer
+from .tokenizer import IncrementalText, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -151,15 +151,27 @@ class Decoder:
                 req.finish_reason = "stop"
             elif req.remaining <= 0 or req.kv_len + j + 2 >= self.max_model_len:
                 req.finish_reason = "length"
-            if req.params.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(req.output_ids)
-                hit = [text.find(s) for s in req.params.stop if s in text]
-                if hit:
-                    req.text = text[: min(hit)]
-                    req.finish_reason = "stop"
+            if req.params.stop and self.tokenizer is not None and self._stop_string(req, t):
+                req.finish_reason = "stop"
             if req.finished:
                 return j + 1
         return len(tokens)
+
+    def _stop_string(self, req: Request, token: int) -> bool:
+        """Feeds one emitted token to the request's incremental text; on the first stop string
+        the text is cut before it. Only the newly settled text (and the stops' length before
+        it) is searched: earlier text held no stop."""
+        if req.detok is None:
+            req.detok = IncrementalText(self.tokenizer)
+        new = req.detok.push(token)
+        if not new:
+            return False
+        text = req.detok.text
+        lo = max(0, len(text) - len(new) - max(len(s) for s in req.params.stop) + 1)
+        hits = [i for i in (text.find(s, lo) for s in req.params.stop) if i >= 0]
+        if hits:
+            req.text = text[: min(hits)]
+        return bool(hits)
 
     # -- generation --------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""
+    detok: object = None  # tokenizer.IncrementalText, when stop strings are checked
 
     @property
     def finished(self) -> bool:

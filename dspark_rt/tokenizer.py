@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from .config import CheckpointError, read_json
 
-__all__ = ["Tokenizer", "ChatTemplateError"]
+__all__ = ["Tokenizer", "ChatTemplateError", "IncrementalText"]
 
 
 class ChatTemplateError(ValueError):
@@ -121,3 +121,27 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template of {self.path}: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class IncrementalText:
+    """The text of a growing list of token ids at a cost independent of its length: each push
+    decodes a window from the last settled boundary. Text is released once it is settled: a
+    token that ends inside a multi-byte character (decoded as U+FFFD) waits for the rest."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = self._read = 0  # window start; end of the ids already turned into text
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Appends one token; returns the text it settled (possibly empty)."""
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        after = self._tok.decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
+        self.text += new
+        self._prefix, self._read = self._read, len(self._ids)
+        return new

@@ -192,3 +192,23 @@ def test_phase_timing_is_opt_in(dec):
         assert all(v >= 0 for v in dec.runner.phase_times.values())
     finally:
         dec.runner.phase_times = None
+
+
+def test_incremental_text_equals_full_decode():
+    """Stop strings read IncrementalText: at every step its text is a prefix of decoding all ids,
+    multi-byte characters split across tokens included, and it catches up on plain text."""
+    import random
+    from pathlib import Path
+
+    from dspark_rt.tokenizer import IncrementalText, Tokenizer
+    tok = Tokenizer.from_pretrained(Path(__file__).parents[1] / "dspark_rt" / "pretrained" / "target")
+    rng = random.Random(0)
+    samples = [tok.encode("naïve café — 世界 😀 ok"), tok.encode("def f(x):\n    return x\n")]
+    samples += [[rng.randrange(tok.vocab_size) for _ in range(60)] for _ in range(20)]
+    tail = tok.encode(" the end")
+    for ids in samples:
+        inc = IncrementalText(tok)
+        for n, t in enumerate(ids + tail, 1):
+            inc.push(t)
+            assert tok.decode((ids + tail)[:n]).startswith(inc.text)
+        assert inc.text == tok.decode(ids + tail)
