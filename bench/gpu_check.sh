@@ -66,8 +66,9 @@ if [[ -n "$SO" && -f "$SO" && "$(dirname "$SO")" != "$ROOT/dspark_rt" ]]; then
 fi
 
 # ---- tests ----
-run_step tests 200 "$RUN_LOG" python3 -m pytest -m gpu -q tests/test_ops_cuda.py -k "not sanitizer" \
-  -p no:cacheprovider --junitxml=/tmp/dspark_junit_tests.xml
+# test_graphs: CUDA graphs per bucket on tiny models (estimated 20-30 s: a few dozen small captures)
+run_step tests 230 "$RUN_LOG" python3 -m pytest -m gpu -q tests/test_ops_cuda.py tests/test_graphs.py \
+  -k "not sanitizer" -p no:cacheprovider --junitxml=/tmp/dspark_junit_tests.xml
 
 # ---- kernel benchmarks ----
 for op in markov_sample rejection_sample prefix_topk verify_attention; do

@@ -27,6 +27,6 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs.py
   >"$OUT/tests_e2e.log" 2>&1 || echo "gpu graph tests: rc $?" | tee -a "$OUT/tests_e2e.log"
 
 timeout 300 python3 bench/bench_e2e.py --device cuda --model qwen3-8b --accept-prob 0.8 \
-  --batch 1 8 32 128 --max-tokens 48 --prompt-len 512 --profile-seconds 8 \
+  --batch 1 8 32 128 --max-tokens 32 --prompt-len 512 --profile-seconds 8 \
   --json "$OUT/e2e.json" --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.log"
 echo "== done in ${SECONDS}s"

@@ -4,6 +4,7 @@ Modes share this code: "ar" verifies only the anchor (plain decoding), "dflash" 
 backbone alone and verifies every draft, "dspark" adds the sequential head, the confidence head
 and a verify-length policy.
 """
+import os
 import time
 from dataclasses import dataclass
 
@@ -62,6 +63,13 @@ class Runner:
         self.rounds = self.round_host_reads = 0  # rounds run, and host reads inside them
         # Benchmark-only acceptance override (dspark_rt.synthetic.install); None when serving.
         self.synthetic = None
+        # CUDA graphs per bucket of the verify and draft forwards (dspark_rt/graphs.py); on the
+        # CPU, or with DSPARK_CUDA_GRAPHS=0, every forward runs eagerly.
+        self.graphs = None
+        if device.type == "cuda" and os.environ.get("DSPARK_CUDA_GRAPHS", "1") != "0":
+            from .graphs import GraphRunner, capture_problem
+            if capture_problem(target) is None:
+                self.graphs = GraphRunner.from_runner(self)
 
     # -- caches ------------------------------------------------------------------------------
 
@@ -230,6 +238,11 @@ class Runner:
         # committed positions overwrites them later.
         meta, pos, _ = self._meta([r.drafter_pages for r in reqs], [r.ctx_len for r in reqs], [B] * R, False)
         anchor = self._upload([r.anchor for r in reqs], torch.int64)
+        if self.graphs is not None:  # forward, LM head and sequential head replay as one graph
+            t0 = self._phase_start()
+            tokens, U, lse, conf = self.graphs.draft(anchor, pos, meta, self.dcache, self._rng(reqs))
+            self._phase("draft_forward", t0)
+            return tokens, U, lse, conf, anchor
         ids = torch.full((R, B), d.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = anchor
         t0 = self._phase_start()
@@ -317,7 +330,10 @@ class Runner:
         for r, n in zip(reqs, counts):
             self._grow(r.target_pages, self.talloc, r.kv_len + n)
         meta, pos, cu = self._meta([r.target_pages for r in reqs], [r.kv_len for r in reqs], counts, True)
-        logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture)
+        if self.graphs is not None:
+            logits, feats = self.graphs.verify(ids, pos, meta, self.tcache)
+        else:
+            logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture)
         logits = self._filter(reqs, logits.to(self.logits_dtype), cu)
         t0 = self._phase("verify_forward", t0)
         acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **self._rng(reqs))

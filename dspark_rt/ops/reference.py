@@ -180,7 +180,8 @@ def prefix_topk(survival, K: int):
 def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: bool, scale: float):
     """Ragged attention over a paged KV cache (DESIGN §5).
 
-    q [N, h_q, head_dim]; request r owns rows cu_q[r] .. cu_q[r+1]-1 (int32 [R+1], n_r >= 0).
+    q [N, h_q, head_dim]; request r owns rows cu_q[r] .. cu_q[r+1]-1 (int32 [R+1], n_r >= 0);
+    rows cu_q[R] .. N-1, if any, belong to no request (padding) and come out zero here.
     k_cache, v_cache [num_pages, page_size, h_kv, head_dim]; block_tables [R, max_pages] int32;
     kv_lens [R] int32: keys of request r, its own chain included (n_r <= kv_len_r). Key l of
     request r lives at page block_tables[r, l // page_size], slot l % page_size. Query head h reads
