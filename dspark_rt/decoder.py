@@ -99,6 +99,10 @@ class Decoder:
     def _make_request(self, i, prompt, params) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {i}: params must be a SamplingParams, got {type(params).__name__}")
+        try:
+            params.check()
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
         V = self.target.config.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:

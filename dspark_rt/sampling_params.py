@@ -22,6 +22,11 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self):
+        self.check()
+
+    def check(self):
+        """Raises ValueError naming the first bad field; also run when a request is added, since
+        fields may have been set after construction."""
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
