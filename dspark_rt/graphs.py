@@ -91,7 +91,7 @@ class StaticBatch:
         self.slots[:n].copy_(meta.slot_mapping)
         self.slots[n:rows].fill_(-1)
         self.cu_q[: r + 1].copy_(meta.cu_q)
-        self.cu_q[r + 1 : batch + 1].fill_(n)
+        self.cu_q[r + 1 : batch + 1].copy_(meta.cu_q[r:].expand(batch - r))  # 0 queries each
         self.kv_lens[:r].copy_(meta.kv_lens)
         self.kv_lens[r:batch].zero_()
         self.block_tables[:r, :w].copy_(meta.block_tables)

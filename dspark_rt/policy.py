@@ -21,11 +21,12 @@ class Calibration:
         return cls([1.0] * gamma)
 
     def apply(self, conf_logit: torch.Tensor):
-        """conf_logit [R, gamma] -> (c_hat, survival), both float32 [R, gamma]."""
+        """conf_logit [R, gamma] -> (c_hat, survival), both float32 [R, gamma], on its device."""
         gamma = conf_logit.shape[1]
         if len(self.temperatures) < gamma:
             raise ValueError(f"calibration has {len(self.temperatures)} temperatures, need {gamma}")
-        t = torch.tensor(self.temperatures[:gamma], dtype=torch.float64, device=conf_logit.device)
+        t = torch.tensor(self.temperatures[:gamma], dtype=torch.float64).to(conf_logit.device,
+                                                                             non_blocking=True)
         c_hat = torch.sigmoid(conf_logit.to(torch.float64) / t)
         return c_hat.float(), torch.cumprod(c_hat, dim=1).float()
 

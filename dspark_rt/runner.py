@@ -20,6 +20,11 @@ from .request import Request
 MODES = ("ar", "dflash", "dspark")
 
 
+def _filters(p) -> bool:
+    """Whether a request's target rows go through top-k / top-p filtering."""
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+
+
 @dataclass
 class RoundResult:
     """What one round produced. The per-request results come to the host in one copy; logits and
@@ -267,7 +272,7 @@ class Runner:
         """Applies each request's top-k / top-p to its rows of target logits."""
         for i, r in enumerate(reqs):
             p = r.params
-            if p.greedy or (p.top_k <= 0 and p.top_p >= 1.0):
+            if not _filters(p):
                 continue
             lo, hi = cu_rows[i], cu_rows[i + 1]
             rows = logits[lo:hi]
@@ -275,16 +280,57 @@ class Runner:
             logits[lo:hi] = rows.masked_fill(torch.isinf(kept) & ~torch.isinf(rows), float("-inf"))
         return logits
 
-    def _results(self, acc, out, logits, cu: list[int]):
-        """One host copy of what the host needs from a round: accepted counts, emitted tokens and
-        whether a request's logits hold NaN or +inf (that request fails alone)."""
-        R = len(cu) - 1
+    def _results(self, acc, out, logits, cu: list[int] | None = None, owner=None, extra=()):
+        """One host copy of what the host needs from a round: accepted counts, emitted tokens,
+        whether a request's logits hold NaN or +inf (that request fails alone), and `extra`
+        per-request device tensors. Rows belong to requests by cu (host) or owner ([N] device,
+        -1 for padding rows). Returns (accepted, tokens, failed, extra columns [R, k] or None)."""
+        R, g1 = acc.shape[0], out.shape[1]
         bad_rows = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
-        owner = self._upload(torch.repeat_interleave(torch.arange(R), torch.tensor(cu).diff()), torch.int64)
+        if owner is None:
+            owner = self._upload(torch.repeat_interleave(torch.arange(R), torch.tensor(cu).diff()),
+                                 torch.int64)
+        else:
+            bad_rows = bad_rows & (owner >= 0)
+            owner = owner.clamp(min=0)
         bad = torch.zeros(R, dtype=torch.int64, device=logits.device).index_add_(0, owner, bad_rows.long())
-        host = self._to_host(torch.cat([acc.long()[:, None], bad[:, None], out], 1)).tolist()
-        acc_h = [row[0] for row in host]
-        return acc_h, [row[2 : 3 + a] for row, a in zip(host, acc_h)], [row[1] > 0 for row in host]
+        cols = [acc.long()[:, None], bad[:, None], out] + [e.reshape(R, -1) for e in extra]
+        if extra:  # one float64 copy: ids and lengths are exact in it, survivals are float32
+            host = self._to_host(torch.cat([c.double() for c in cols], 1))
+        else:
+            host = self._to_host(torch.cat(cols, 1))
+        ints = host[:, : 2 + g1].long().tolist()
+        acc_h = [row[0] for row in ints]
+        toks = [row[2 : 3 + a] for row, a in zip(ints, acc_h)]
+        return acc_h, toks, [row[1] > 0 for row in ints], (host[:, 2 + g1 :] if extra else None)
+
+    def _meta_on_device(self, reqs, lengths: torch.Tensor, n_rows: int, chains: torch.Tensor):
+        """Verify metadata when the lengths [R] (int64) stay on the device: request r verifies
+        chains[r, :lengths[r] + 1] ([R, gamma + 1]: anchor then drafts) at positions kv_len.. .
+        n_rows >= R + sum(lengths) is known on the host; rows past the real total are padding
+        (id 0, position 0, slot -1, owner -1). Returns (meta, positions, ids, owner)."""
+        R, ps, g1 = len(reqs), self.page_size, chains.shape[1]
+        width = max(1, max(len(r.target_pages) for r in reqs))
+        tables = torch.zeros(R, width, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.target_pages)] = torch.tensor(r.target_pages, dtype=torch.int64)
+        dev = self._upload(torch.cat([torch.tensor([r.kv_len for r in reqs]), tables.view(-1)]),
+                           torch.int64)
+        kv0, tables = dev[:R], dev[R:].view(R, width)
+        counts = lengths + 1
+        cu = torch.zeros(R + 1, dtype=torch.int64, device=lengths.device)
+        cu[1:] = torch.cumsum(counts, 0)
+        row = torch.arange(n_rows, device=lengths.device)
+        req = torch.searchsorted(cu[1:], row, right=True)  # R for padding rows
+        valid = req < R
+        req_c = req.clamp(max=R - 1)
+        k = row - cu[req_c]
+        pos = torch.where(valid, kv0[req_c] + k, 0)
+        page = tables[req_c, (pos // ps).clamp(max=width - 1)]
+        slots = torch.where(valid, page * ps + pos % ps, -1)
+        ids = torch.where(valid, chains.reshape(-1)[req_c * g1 + k.clamp(0, g1 - 1)], 0)
+        meta = AttnMeta(cu.int(), (kv0 + counts).int(), tables.int(), slots, True)
+        return meta, pos, ids, torch.where(valid, req, -1)
 
     def sample_first(self, reqs: list[Request], logits: torch.Tensor):
         """The token after the prompt: a round with no drafts (round 0). Returns (filtered logits,
@@ -294,52 +340,90 @@ class Runner:
         logits = self._filter(reqs, logits, cu)
         acc, out = ops.rejection_sample(logits, self._upload(cu, torch.int32), None, None, None,
                                         **self._rng(reqs))
-        _, toks, failed = self._results(acc, out, logits, cu)
+        _, toks, failed, _ = self._results(acc, out, logits, cu)
         return logits, toks, failed
 
+    def _admits_on_device(self, reqs) -> bool:
+        """The policy admits drafts on the device (async) and no request filters its rows (the
+        filter needs each request's rows on the host)."""
+        return (self.mode == "dspark" and getattr(self.policy, "device_lengths", False)
+                and not any(_filters(r.params) for r in reqs))
+
     def step(self, reqs: list[Request]) -> RoundResult:
-        """One round for requests whose anchor is set. Device-to-host reads: the confidences when
-        the policy needs them, and the round's results at the end."""
+        """One round for requests whose anchor is set. Device-to-host reads: the round's results
+        at the end, plus the confidences before the verify forward when a host-side policy
+        (threshold, sync) needs them; the async scheduler admits on the device instead."""
         R, gamma = len(reqs), self.gamma
         reads0 = self.host_reads
+        on_device = None  # (lengths [R] on the device, survival, K, budget source, caps)
         if gamma:
             tokens, z, lse, conf, anchor = self.draft(reqs)
             t0 = time.perf_counter()
             if self.synthetic is not None:
                 conf = self.synthetic.conf_logit(R, gamma, conf if conf is not None else z)
             # The target's own token is emitted too, and the chain must stay inside the context.
-            cap = torch.tensor([max(0, min(r.remaining - 1, self.max_len - 2 - r.kv_len))
-                                for r in reqs], dtype=torch.int64)
-            if self.mode == "dspark" and self.policy.needs_confidence:
-                c_hat, survival = self.calibration.apply(self._to_host(conf))
+            caps = [max(0, min(r.remaining - 1, self.max_len - 2 - r.kv_len)) for r in reqs]
+            cap = torch.tensor(caps, dtype=torch.int64)
+            chains = torch.cat([anchor[:, None], tokens], 1)  # [R, gamma + 1]
+            if self._admits_on_device(reqs):
+                _, survival = self.calibration.apply(conf)
+                K, source = self.policy.next_budget(R, gamma)
+                dev_lengths = self.policy.admit_on_device(survival, self._upload(cap, torch.int64),
+                                                          gamma, K)
+                n_rows = R + min(K, sum(min(c, gamma) for c in caps))
+                on_device = (dev_lengths, survival, K, source, cap)
             else:
-                c_hat = survival = None
-            lengths = self.policy.lengths(c_hat, survival, cap, gamma) if self.mode == "dspark" \
-                else FixedPolicy().lengths(None, None, cap, gamma)
-            lengths = lengths.tolist()
-            # Chains [anchor, x_1 .. x_l] gathered on the device: the drafts never visit the host.
-            pick = [i * (gamma + 1) + k for i, n in enumerate(lengths) for k in range(n + 1)]
-            ids = torch.cat([anchor[:, None], tokens], 1).view(-1)[self._upload(pick, torch.int64)]
+                if self.mode == "dspark" and self.policy.needs_confidence:
+                    c_hat, survival = self.calibration.apply(self._to_host(conf))
+                else:
+                    c_hat = survival = None
+                lengths = self.policy.lengths(c_hat, survival, cap, gamma) if self.mode == "dspark" \
+                    else FixedPolicy().lengths(None, None, cap, gamma)
+                lengths = lengths.tolist()
+                # Chains gathered on the device: the drafts never visit the host.
+                pick = [i * (gamma + 1) + k for i, n in enumerate(lengths) for k in range(n + 1)]
+                ids = chains.view(-1)[self._upload(pick, torch.int64)]
             self._phase("schedule", t0)
         else:
             tokens = z = lse = conf = None
             lengths = [0] * R
             ids = self._upload([r.anchor for r in reqs], torch.int64)
         t0 = time.perf_counter()
-        counts = [n + 1 for n in lengths]
-        for r, n in zip(reqs, counts):
-            self._grow(r.target_pages, self.talloc, r.kv_len + n)
-        meta, pos, cu = self._meta([r.target_pages for r in reqs], [r.kv_len for r in reqs], counts, True)
+        if on_device is not None:
+            for r, c in zip(reqs, caps):
+                self._grow(r.target_pages, self.talloc, r.kv_len + min(c, gamma) + 1)
+            meta, pos, ids, owner = self._meta_on_device(reqs, on_device[0], n_rows, chains)
+        else:
+            counts = [n + 1 for n in lengths]
+            for r, n in zip(reqs, counts):
+                self._grow(r.target_pages, self.talloc, r.kv_len + n)
+            meta, pos, cu = self._meta([r.target_pages for r in reqs], [r.kv_len for r in reqs],
+                                       counts, True)
+            owner = None
         if self.graphs is not None:
             logits, feats = self.graphs.verify(ids, pos, meta, self.tcache)
         else:
             logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture)
-        logits = self._filter(reqs, logits.to(self.logits_dtype), cu)
+        logits = logits.to(self.logits_dtype)
+        if on_device is None:
+            logits = self._filter(reqs, logits, cu)
         t0 = self._phase("verify_forward", t0)
         acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **self._rng(reqs))
         if self.synthetic is not None and gamma:
-            acc, out = self.synthetic.accept(tokens, self._upload(lengths, torch.int64), logits, meta.cu_q)
-        acc, out, failed = self._results(acc, out, logits, cu)
+            verified = on_device[0] if on_device is not None else self._upload(lengths, torch.int64)
+            acc, out = self.synthetic.accept(tokens, verified, logits, meta.cu_q)
+        if on_device is None:
+            acc, out, failed, _ = self._results(acc, out, logits, cu)
+        else:
+            dev_lengths, survival, K, source, cap = on_device
+            acc, out, failed, extra = self._results(acc, out, logits, owner=owner,
+                                                    extra=(dev_lengths, survival))
+            lengths = extra[:, 0].long().tolist()
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n + 1)
+            from .schedulers import candidates
+            self.policy.observe(candidates(extra[:, 1:].float(), cap, gamma), lengths, K, source)
         self._phase("accept", t0)
         has_conf = self.mode == "dspark" and self.drafter.conf_w is not None
         self.rounds += 1

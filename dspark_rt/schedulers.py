@@ -162,15 +162,42 @@ class AsyncScheduler(_Scheduler):
 
     def lengths(self, c_hat, survival, cap, gamma):
         a = candidates(survival, cap, gamma)
-        R = a.shape[0]
+        K, source = self.next_budget(a.shape[0], gamma)
+        lengths = self.admit(a, K)
+        return self.observe(a, lengths, K, source).to(cap.device)
+
+    # The same three steps with the admission on the device (the runner's path: the round's
+    # lengths never visit the host before the verify forward, whose size R + K is known).
+
+    device_lengths = True
+
+    def next_budget(self, R: int, gamma: int) -> tuple[int, str]:
+        """K for this round: planned `delay` rounds ago (scaled to this R), or R * gamma."""
         if len(self._history) >= self.delay:
             K_then, R_then = self._history.popleft()
             K, source = (K_then if R_then == R else round(K_then * R / max(R_then, 1))), "history"
         else:
-            K, source = R * a.shape[1], "default"
-        K = max(0, min(K, self.max_tokens - R))
-        lengths = self.admit(a, K)
+            K, source = R * gamma, "default"
+        return max(0, min(K, self.max_tokens - R)), source
+
+    @staticmethod
+    def admit_on_device(survival: torch.Tensor, cap: torch.Tensor, gamma: int, K: int) -> torch.Tensor:
+        """admit(candidates(survival, cap, gamma), K) without leaving survival's device: int64
+        [R]. K is not clamped on the host; excluded candidates that the top-K reaches form a
+        suffix of their request's row and are cut by the count of leading valid ones."""
+        a = survival[:, :gamma].to(torch.float32)
+        j = torch.arange(1, a.shape[1] + 1, device=a.device)
+        excluded = torch.isnan(a) | torch.isneginf(a) | (j[None, :] > cap[:, None])
+        a = torch.where(a > 0, a, torch.zeros((), device=a.device))
+        a = torch.where(excluded, torch.full((), -torch.inf, device=a.device), a)
+        a = torch.cummin(a, dim=1).values
+        valid = torch.isfinite(a).long().cumprod(dim=1).sum(dim=1)
+        return torch.minimum(ops.prefix_topk(a, K).long(), valid)
+
+    def observe(self, a: np.ndarray, lengths: np.ndarray, K: int, source: str) -> torch.Tensor:
+        """After admission, with the round's candidates on the host: plans the budget of round
+        t + delay and records last_stats. Returns the lengths as an int64 tensor."""
         planned = self.plan_budget(a)
-        self._history.append((planned, R))
-        out = self._finish(a, lengths, K, budget_source=source, planned_budget=planned)
-        return out.to(cap.device)
+        self._history.append((planned, a.shape[0]))
+        return self._finish(a, np.asarray(lengths, dtype=np.int64), K, budget_source=source,
+                            planned_budget=planned)

@@ -166,11 +166,15 @@ def test_prefix_cache_keeps_outputs_and_acceptance(pair, drafter_cached):
 
 
 @pytest.mark.parametrize("mode,policy,reads", [("ar", "fixed", 1), ("dflash", "fixed", 1),
-                                               ("dspark", "fixed", 1), ("dspark", "threshold", 2)])
+                                               ("dspark", "fixed", 1), ("dspark", "async", 1),
+                                               ("dspark", "threshold", 2), ("dspark", "sync", 2)])
 def test_host_reads_per_round(pair, mode, policy, reads):
-    """A round reads the device once (its results); a policy that reads confidences adds one."""
+    """A round reads the device once (its results); a host-side policy that reads confidences
+    (threshold, sync) adds one; async admits on the device."""
+    from dspark_rt.sps import SPSProfile
+    sps = SPSProfile.from_pairs({B: 1000.0 / (1.0 + B / 4.0) for B in range(1, 65)})
     dec = Decoder.from_pretrained(pair[0], None if mode == "ar" else pair[1], mode=mode,
-                                  policy=policy)
+                                  policy=policy, **({"sps": sps} if policy in ("sync", "async") else {}))
     dec.generate([[1, 2], [3, 4, 5], [6]], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
     r = dec.runner
     assert r.rounds > 3 and r.round_host_reads == reads * r.rounds
@@ -204,3 +208,30 @@ def test_an_older_engine_refuses_to_step(pair):
     Engine(dec, num_pages=8)  # new caches for the same runner
     with pytest.raises(RuntimeError, match="newer Engine"):
         old.step()
+
+
+def test_device_metadata_equals_host_metadata(pair):
+    """The async path builds the verify batch from lengths on the device; its rows equal the
+    host-built ones, and the padding rows past the real total write nowhere (slot -1)."""
+    from types import SimpleNamespace
+    dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark")
+    r = dec.runner
+    r.page_size = 4
+    rng = random.Random(3)
+    for _ in range(20):
+        R, gamma = rng.randint(1, 5), r.gamma
+        reqs = [SimpleNamespace(kv_len=rng.randint(0, 30), target_pages=rng.sample(range(100), 10))
+                for _ in range(R)]
+        lengths = [rng.randint(0, gamma) for _ in range(R)]
+        chains = torch.randint(0, 90, (R, gamma + 1))
+        pad = rng.randint(0, 5)
+        meta, pos, ids, owner = r._meta_on_device(reqs, torch.tensor(lengths), R + sum(lengths) + pad, chains)
+        want, want_pos, cu = r._meta([q.target_pages for q in reqs], [q.kv_len for q in reqs],
+                                     [n + 1 for n in lengths], True)
+        n = cu[-1]
+        assert meta.cu_q.tolist() == want.cu_q.tolist() and meta.kv_lens.tolist() == want.kv_lens.tolist()
+        assert torch.equal(meta.block_tables, want.block_tables)
+        assert torch.equal(meta.slot_mapping[:n], want.slot_mapping) and torch.equal(pos[:n], want_pos)
+        assert ids[:n].tolist() == [t for i, L in enumerate(lengths) for t in chains[i, : L + 1].tolist()]
+        assert meta.slot_mapping[n:].tolist() == [-1] * pad and owner[n:].tolist() == [-1] * pad
+        assert owner[:n].tolist() == [i for i, L in enumerate(lengths) for _ in range(L + 1)]

@@ -317,3 +317,20 @@ def test_appendix_a_causal_schedulers_pass(cls):
     p, freq = chi2_p(tokens)
     assert p > 1e-3, (p, freq)
     assert not math.isnan(freq)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 7), st.integers(0, 60), st.integers(0, 2**31 - 1))
+def test_device_admission_equals_host_admission(R, gamma, K, seed):
+    """The runner's async path (admit_on_device: no host clamp of K) admits exactly what the
+    host path admits, NaN / -inf survivals, ties and caps included."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randint(0, 5, (R, gamma), generator=g).float() / 4  # ties likely
+    c[torch.rand(R, gamma, generator=g) < 0.1] = float("nan")
+    c[torch.rand(R, gamma, generator=g) < 0.05] = float("-inf")
+    surv = torch.cumprod(c, 1)
+    cap = torch.randint(0, gamma + 2, (R,), generator=g)
+    a = candidates(surv, cap, gamma)
+    host = AsyncScheduler.admit(None, a, K)
+    dev = AsyncScheduler.admit_on_device(surv, cap, gamma, K)
+    assert dev.tolist() == host.tolist(), (c, cap, K)
