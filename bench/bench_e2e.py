@@ -60,8 +60,9 @@ class Models:
         if not self.random:
             drafter = None if mode == "ar" else PAIR / ("dflash" if mode == "dflash" else "dspark")
             cal = (PAIR / "dspark" / "dspark_calibration.json") if mode == "dspark" else None
+            kw = {"sps": self._profile()} if policy in ("sync", "async") else {}
             return Decoder.from_pretrained(PAIR / "target", drafter, mode=mode, policy=policy,
-                                           device=self.device, calibration=cal)
+                                           device=self.device, calibration=cal, **kw)
         target, drafter = self._pair
         kw = {}
         if policy in ("sync", "async"):
@@ -79,15 +80,19 @@ class Models:
         return p * gamma if len(p) == 1 else p
 
     def _profile(self):
-        """One measured SPS(B) of the random pair for both sync and async (the round's cost does
-        not depend on acceptance)."""
+        """One SPS(B) for both sync and async (a round's cost does not depend on acceptance),
+        covering the largest batch of the run: measured, or the cached one for this machine."""
         if self._sps is None:
-            from dspark_rt.profiling import profile_engine
-            target, drafter = self._pair
-            probe = Decoder(target, drafter, None, mode="dspark", device=self.device)
-            self._sps = profile_engine(probe, seconds=self.args.profile_seconds,
-                                       max_batch=max(self.args.batch),
-                                       context_len=self.args.prompt_len, progress=False)
+            from dspark_rt.profiling import load_or_profile
+            if self.random:
+                target, drafter = self._pair
+                probe = Decoder(target, drafter, None, mode="dspark", device=self.device)
+            else:
+                probe = Decoder.from_pretrained(PAIR / "target", PAIR / "dspark", device=self.device)
+            self._sps = load_or_profile(probe, seconds=self.args.profile_seconds,
+                                        max_batch=max(self.args.batch),
+                                        context_len=self.args.prompt_len if self.random else None,
+                                        progress=False)
             del probe
         return self._sps
 
@@ -205,7 +210,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=256, help="random models' prompt tokens")
     ap.add_argument("--profile-seconds", type=float, default=10.0,
-                    help="measuring budget of the random pair's SPS(B) for sync/async")
+                    help="measuring budget of SPS(B) for sync/async when none is cached")
     ap.add_argument("--modes", nargs="+", default=[f"{m}/{p}" for m, p in MODES])
     ap.add_argument("--json")
     ap.add_argument("--plot")
