@@ -164,10 +164,7 @@ class Engine:
     def stream(self, prompt, params=None):
         """Adds one request and yields StepOutput deltas for it until it finishes (other queued
         requests advance too)."""
-        from ..sampling_params import SamplingParams
-        req = self.decoder._make_request(len(self.requests), prompt, params or SamplingParams())
-        self._add(req)
-        return self._stream(req)
+        return self._stream(self.requests[self.add_request(prompt, params)])
 
     def _stream(self, req):
         """Deltas read from the request itself, so that several streams (or a generate call)
