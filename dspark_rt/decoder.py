@@ -216,6 +216,7 @@ class Decoder:
     def _engine_for(self, reqs: list[Request], min_pages: int = 0):
         """The Decoder's Engine, (re)built when its caches cannot hold these requests' whole
         lifetimes at once (offline batches run without preemption)."""
+        from .engine import EngineConfig
         from .engine.engine import Engine
         r = self.runner
         slack = r.gamma + (self.drafter.block_size if r.mode != "ar" else 0) + 2
@@ -228,8 +229,9 @@ class Decoder:
             seqs += len(eng.requests)
             budget = max(budget, seqs * (1 + r.gamma))
         elif eng is None or not eng.owns_caches or eng.num_pages < need:
-            eng = self._engine = Engine(self, num_pages=need, max_num_seqs=seqs,
-                                        max_num_batched_tokens=budget, chunk_size=budget)
+            eng = self._engine = Engine(self, EngineConfig(num_pages=need, max_num_seqs=seqs,
+                                                           max_num_batched_tokens=budget,
+                                                           chunk_size=budget))
         eng.scheduler.max_num_seqs = max(eng.scheduler.max_num_seqs, seqs)
         eng.scheduler.max_num_batched_tokens = max(eng.scheduler.max_num_batched_tokens, budget)
         return eng

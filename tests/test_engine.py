@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dspark_rt import Decoder, SamplingParams
+from dspark_rt.engine import EngineConfig
 from dspark_rt.engine.engine import Engine
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -107,6 +108,10 @@ def test_bad_engine_arguments(pair):
     dec = Decoder.from_pretrained(pair[0], mode="ar")
     with pytest.raises(ValueError, match="num_pages"):
         Engine(dec, num_pages=0)
+    with pytest.raises(ValueError, match="watermark"):
+        Engine(dec, watermark=1.0)
+    with pytest.raises(ValueError, match="not both"):
+        Engine(dec, EngineConfig(num_pages=4), num_pages=8)
     eng = Engine(dec, num_pages=4)
     with pytest.raises(ValueError):
         eng.add_request([1] * 200, SamplingParams(max_tokens=2))  # can never fit 4 pages

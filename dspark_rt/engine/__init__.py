@@ -30,8 +30,9 @@ their K/V writes (below c.target_from) redirected to a scratch page, attending t
 K/V in the shared pages, purely to capture the features.
 """
 from .block_manager import BlockManager, BlockManagerError
+from .config import EngineConfig
 from .scheduler import (PrefillChunk, RequestScheduler, SchedRequest, SchedulerOutput, all_tokens,
                         prefill_len)
 
-__all__ = ["BlockManager", "BlockManagerError", "RequestScheduler", "SchedRequest",
+__all__ = ["BlockManager", "BlockManagerError", "EngineConfig", "RequestScheduler", "SchedRequest",
            "SchedulerOutput", "PrefillChunk", "all_tokens", "prefill_len"]

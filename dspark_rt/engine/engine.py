@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..outputs import RequestOutput
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .scheduler import RequestScheduler, all_tokens
 
 
@@ -29,16 +30,15 @@ class StepOutput:
 
 
 class Engine:
-    """decoder: a Decoder (its models, mode, policy and runner). num_pages: KV pages of each cache
-    (target and drafter) of decoder.runner.page_size tokens."""
+    """decoder: a Decoder (its models, mode, policy and runner); config: an EngineConfig, or its
+    fields as keywords."""
 
-    def __init__(self, decoder, *, num_pages: int = 512, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 1024, chunk_size: int = 256, watermark: float = 0.01,
-                 enable_prefix_caching: bool = True):
-        for name, v in (("num_pages", num_pages), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens), ("chunk_size", chunk_size)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"Engine: {name} must be a positive int, got {v!r}")
+    def __init__(self, decoder, config: EngineConfig | None = None, **kwargs):
+        if config is not None and kwargs:
+            raise ValueError(f"Engine: pass an EngineConfig or keywords, not both (got {sorted(kwargs)})")
+        config = config if config is not None else EngineConfig(**kwargs)
+        self.config = config
+        num_pages, enable_prefix_caching = config.num_pages, config.enable_prefix_caching
         self.decoder, self.runner = decoder, decoder.runner
         r = self.runner
         r.allocate_caches(num_pages)
@@ -55,9 +55,10 @@ class Engine:
                                                enable_prefix_caching=enable_prefix_caching,
                                                name="drafter")
         block = decoder.drafter.block_size if r.mode != "ar" else 0
-        self.scheduler = RequestScheduler(max_num_seqs, max_num_batched_tokens, self.target_blocks,
-                                          self.drafter_blocks, gamma=r.gamma, block_size=block,
-                                          chunk_size=chunk_size, watermark=watermark)
+        self.scheduler = RequestScheduler(config.max_num_seqs, config.max_num_batched_tokens,
+                                          self.target_blocks, self.drafter_blocks, gamma=r.gamma,
+                                          block_size=block, chunk_size=config.chunk_size,
+                                          watermark=config.watermark)
         self.requests = {}
 
     # -- requests ------------------------------------------------------------------------------
