@@ -1,6 +1,6 @@
 """markov_sample (the sequential drafting stage): C++/CUDA kernel vs the eager PyTorch reference.
 
-    python bench/bench_markov_sample.py [--device cpu|cuda] [--json PATH] [--quick]
+    python bench/bench_markov_sample.py [--device cpu|cuda] [--json PATH] [--quick] [--compile]
 
 Shapes: CUDA V=151936, r=256, d=4096, gamma in {7, 16}, R in {1, 32, 256}, bf16 weights;
 CPU (scaled down, the reference is slow) V=32000, r=64, d=256, gamma=7, R in {1, 8}, float32.
@@ -10,10 +10,11 @@ Bytes: logits read and written (R gamma V), w2 swept once per step for the whole
 """
 import torch
 
-from timing import Report, backend_for, median_us, parse_args  # puts the repo on sys.path
+from timing import Report, backend_for, compiled_us, median_us, parse_args  # puts the repo on sys.path
 
 import op_cases as oc  # noqa: E402  (tests/op_cases.py: benchmarked inputs are tested inputs)
 from dspark_rt import ops  # noqa: E402
+from dspark_rt.ops import reference  # noqa: E402
 
 
 def shapes(cuda: bool, quick: bool):
@@ -49,9 +50,14 @@ def main():
         match = float((ours == ref).double().mean())
         us = median_us(lambda: run(be), dev, setup=restore)
         ref_us = median_us(lambda: run("reference"), dev, setup=restore, warmup=1, runs=5)
+        extra = {}
+        if args.compile:
+            extra["compiled_ref_us"] = compiled_us(
+                lambda: reference.markov_sample(logits, hidden, anchor, head, **kw), dev,
+                setup=restore, runs=5)
         nbytes = s * (2 * R * G * V + G * V * r + R * G * (2 * r + d) + d + r) + 8 * 4 * R * G
         rep.add(f"R={R} gamma={G} V={V} r={r}", us, ref_us, nbytes, 2 * R * G * V * r,
-                tokens_match=match)
+                tokens_match=match, **extra)
         if match < 1:
             print(f"  WARNING: {100 * (1 - match):.2f}% of tokens differ from the reference")
     rep.finish()

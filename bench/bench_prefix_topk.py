@@ -1,6 +1,6 @@
 """prefix_topk (admission of the top-K draft candidates): kernel vs the eager PyTorch reference.
 
-    python bench/bench_prefix_topk.py [--device cpu|cuda] [--json PATH] [--quick]
+    python bench/bench_prefix_topk.py [--device cpu|cuda] [--json PATH] [--quick] [--compile]
 
 Shapes (both devices): R in {1, 32, 256}, gamma in {7, 16}, K = R gamma / 2, survivals
 non-increasing in j (cumulative products). Latency-bound: bytes are the survivals read and the
@@ -8,10 +8,11 @@ lengths written; the floor is far below launch overhead.
 """
 import torch
 
-from timing import Report, backend_for, median_us, parse_args  # puts the repo on sys.path
+from timing import Report, backend_for, compiled_us, median_us, parse_args  # puts the repo on sys.path
 
 import op_cases as oc  # noqa: E402  (tests/op_cases.py: benchmarked inputs are tested inputs)
 from dspark_rt import ops  # noqa: E402
+from dspark_rt.ops import reference  # noqa: E402
 
 
 def main():
@@ -27,7 +28,12 @@ def main():
                                  ops.prefix_topk(survival, K, backend="reference")))
         us = median_us(lambda: ops.prefix_topk(survival, K, backend=be), dev, runs=200)
         ref_us = median_us(lambda: ops.prefix_topk(survival, K, backend="reference"), dev, runs=200)
-        rep.add(f"R={R} gamma={G} K={K}", us, ref_us, 4 * R * G + 4 * R, 0.0, outputs_match=match)
+        extra = {}
+        if args.compile:
+            extra["compiled_ref_us"] = compiled_us(lambda: reference.prefix_topk(survival, K), dev,
+                                                   runs=200)
+        rep.add(f"R={R} gamma={G} K={K}", us, ref_us, 4 * R * G + 4 * R, 0.0, outputs_match=match,
+                **extra)
         if not match:
             print("  WARNING: lengths differ from the reference")
     rep.finish()

@@ -6,7 +6,8 @@
   "fraction of the floor" compares against this machine now, not a datasheet.
 * `header(device)`: the machine, library versions, and on CUDA driver, clocks and power limit.
 * `Report`: per shape µs, bytes and FLOPs counted, achieved GB/s, fraction of the floor and the
-  ratio to the eager PyTorch reference timed in the same run; `--json PATH` for machines.
+  ratio to the eager PyTorch reference timed in the same run (and to its torch.compile with
+  `--compile`, where the reference is loop-free tensor code); `--json PATH` for machines.
 """
 import argparse
 import json
@@ -30,7 +31,23 @@ def parse_args(doc: str) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", metavar="PATH", help="also write header and rows as JSON")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and runs (smoke test)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile of the reference (ops whose reference is "
+                         "loop-free tensor code: markov_sample, prefix_topk)")
     return ap.parse_args()
+
+
+def compiled_us(fn, device, **kw):
+    """median_us of torch.compile(fn) (compilation happens in the warm-up); None, with the
+    reason printed, when compilation fails on this machine."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    cfn = torch.compile(fn, dynamic=False)
+    try:
+        return median_us(cfn, device, warmup=2, **kw)
+    except Exception as e:  # a missing C++ toolchain or an unsupported op: say so, keep going
+        print(f"  torch.compile of the reference failed: {type(e).__name__}: {str(e)[:120]}")
+        return None
 
 
 def sync(device):
@@ -145,10 +162,14 @@ class Report:
         row = dict(shape=shape, us=us, ref_us=ref_us, ratio_vs_ref=(ref_us / us) if ref_us else None,
                    bytes=nbytes, flops=flops, gbps=nbytes / us / 1e3, floor_us=floor_us,
                    frac_of_floor=floor_us / us, **extra)
+        if row.get("compiled_ref_us"):
+            row["ratio_vs_compiled_ref"] = row["compiled_ref_us"] / us
         self.rows.append(row)
         ref = f"{ref_us:12.0f}{ref_us / us:8.1f}" if ref_us else f"{'-':>12}{'-':>8}"
+        comp = f"  compiled ref {row['compiled_ref_us']:.0f} us ({row['ratio_vs_compiled_ref']:.1f}x)" \
+            if row.get("compiled_ref_us") else ""
         print(f"{shape:<44}{us:11.1f}{ref}{nbytes / 1e6:9.2f}{flops / 1e9:8.3f}"
-              f"{row['gbps']:8.1f}{row['frac_of_floor']:7.3f}", flush=True)
+              f"{row['gbps']:8.1f}{row['frac_of_floor']:7.3f}{comp}", flush=True)
 
     def finish(self):
         if self.args.json:
