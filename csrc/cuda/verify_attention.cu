@@ -599,9 +599,12 @@ Status VerifyAttentionCuda(const VerifyAttentionParams& p, void* stream) {
     return Status::kBadArgument;
   }
   if (p.R == 0) return Status::kOk;
-  if (!p.q || !p.cu_q || !p.k_cache || !p.v_cache || !p.kv_lens || !p.out || (p.max_pages > 0 && !p.block_tables)) {
-    return Status::kBadArgument;
-  }
+  if (!p.cu_q || !p.kv_lens) return Status::kBadArgument;
+  // NOTE: q and out have no storage when N = 0 (torch hands out a null data_ptr for an empty CUDA
+  // tensor, e.g. a batch of empty chains); then every chain is empty and there is nothing to do.
+  // The host cannot read cu_q to tell (no sync), so a null q / out means N = 0, as on the CPU.
+  if (!p.q || !p.out) return Status::kOk;
+  if (!p.k_cache || !p.v_cache || (p.max_pages > 0 && !p.block_tables)) return Status::kBadArgument;
   if (p.R >= (1ll << 24) || p.h_q * p.head_dim > (1ll << 24) || p.page_size > (1ll << 24) ||
       p.max_pages * p.page_size > (1ll << 30)) {
     return Status::kUnsupported;
