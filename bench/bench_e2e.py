@@ -247,8 +247,9 @@ def main(argv=None):
                   f"{r['tau']:5.2f} {r['mean_verify_length']:6.2f} {r['host_reads_per_round']:5.2f}  {share}"
                   + (f"  cuda syncs/round {r['cuda_syncs_per_round']:.2f}" if r["cuda_syncs_per_round"] is not None else ""),
                   flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "model": label, "rows": rows}, indent=2))
+            if args.json:  # after every row: a run cut short by a time limit keeps what it measured
+                Path(args.json).write_text(json.dumps({"header": header, "model": label, "rows": rows},
+                                                      indent=2))
     if args.plot:
         plot(rows, args.plot, f"throughput vs per-user speed: {label} on {args.device} (labels: batch)")
     return rows
