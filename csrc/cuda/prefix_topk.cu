@@ -66,6 +66,9 @@ __global__ void __launch_bounds__(kThreads) PrefixTopkKernel(const float* __rest
       }
       const unsigned excl = incl - own;
       const bool here = excl < static_cast<unsigned>(krem) && incl >= static_cast<unsigned>(krem);
+      // Every lane read krem_s above and one lane overwrites it below: shuffles do not order
+      // shared-memory accesses (a WAR race for the memory model and for racecheck).
+      __syncwarp();
       if (here) {
         unsigned cum = excl;
         for (int q = 0; q < 8; ++q) {
