@@ -101,6 +101,13 @@ def _check_markov(case, dtype, kw, ref, got, where):
     bias = (zr - u.where(fin, 0.0)).abs()
     dz_all = (zr - z_g.double().where(fin, 0.0)).abs()
     bound = EPS[dtype] * (zr.abs() + bias) + 1e-5 * (1 + bias)
+    if case.head == "gated" and dtype in (F16, BF16):
+        # the gate's 16-bit roundings (pre-activation, sigmoid, g * e) may each land one step
+        # apart; a step in (g * e)_j moves bias_v by EPS |w2[v, j]| |e_j| at most (|g| <= 1):
+        # allow two steps of every component
+        prev = torch.cat([kw["anchor"][:, None], tok_r[:, :-1]], 1)
+        e = kw["w1"][prev].double().abs()
+        bound = bound + 2 * EPS[dtype] * (e @ kw["w2"].double().abs().T)
     bad = dz_all > bound
     assert not bad.any(), f"z off by {float((dz_all - bound).max())} beyond tolerance: {where}"
     dz = dz_all.amax(-1).cpu()  # per step: how far the two z rows are apart
