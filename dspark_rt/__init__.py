@@ -6,6 +6,7 @@
 """
 __version__ = "0.1.0"
 
+from .engine.config import EngineConfig
 from .outputs import RequestOutput, SpecMetrics
 from .policy import Calibration, FixedPolicy, ThresholdPolicy, VerifyPolicy
 from .sampling_params import SamplingParams
@@ -22,5 +23,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'dspark_rt' has no attribute {name!r}")
 
 
-__all__ = ["Decoder", "Engine", "SamplingParams", "RequestOutput", "SpecMetrics", "Calibration",
+__all__ = ["Decoder", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "SpecMetrics", "Calibration",
            "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "__version__"]
