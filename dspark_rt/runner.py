@@ -16,8 +16,17 @@ from .logits_process import filter_rows
 from .models.batch import AttnMeta
 from .policy import Calibration, FixedPolicy, VerifyPolicy
 from .request import Request
+from .schedulers import candidates
 
 MODES = ("ar", "dflash", "dspark")
+
+
+def _tables(page_lists) -> torch.Tensor:
+    """Block tables [R, max(1, longest)] int64 on the host, zero-padded."""
+    tables = torch.zeros(len(page_lists), max(1, max(len(p) for p in page_lists)), dtype=torch.int64)
+    for i, pages in enumerate(page_lists):
+        tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+    return tables
 
 
 def _filters(p) -> bool:
@@ -150,11 +159,10 @@ class Runner:
         built on the host and uploaded in one copy. Returns (meta, positions [N] on the device,
         cu [R + 1] on the host)."""
         ps, R = self.page_size, len(counts)
-        width = max(1, max(len(p) for p in page_lists))
-        tables = torch.zeros(R, width, dtype=torch.int64)
+        tables = _tables(page_lists)
+        width = tables.shape[1]
         slots, positions = [], []
-        for i, (pages, s, n) in enumerate(zip(page_lists, starts, counts)):
-            tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        for i, (s, n) in enumerate(zip(starts, counts)):
             pos = torch.arange(s, s + n)
             slots.append(tables[i][pos // ps] * ps + pos % ps)
             positions.append(pos)
@@ -232,9 +240,11 @@ class Runner:
         self.phase_times[name] = self.phase_times.get(name, 0.0) + now - t0
         return now
 
-    def draft(self, reqs: list[Request]):
-        """Parallel drafting then the sequential head. Returns (tokens [R, gamma], z [R, gamma, V],
-        lse [R, gamma], conf_logit [R, gamma])."""
+    def draft(self, reqs: list[Request], rng: dict | None = None):
+        """Parallel drafting then the sequential head. rng: _rng(reqs), when the caller has it.
+        Returns (tokens [R, gamma], z [R, gamma, V], lse [R, gamma], conf_logit [R, gamma],
+        anchor [R])."""
+        rng = rng if rng is not None else self._rng(reqs)
         d, B, gamma = self.drafter, self.drafter.block_size, self.gamma
         R = len(reqs)
         for r in reqs:
@@ -245,7 +255,7 @@ class Runner:
         anchor = self._upload([r.anchor for r in reqs], torch.int64)
         if self.graphs is not None:  # forward, LM head and sequential head replay as one graph
             t0 = self._phase_start()
-            tokens, U, lse, conf = self.graphs.draft(anchor, pos, meta, self.dcache, self._rng(reqs))
+            tokens, U, lse, conf = self.graphs.draft(anchor, pos, meta, self.dcache, rng)
             self._phase("draft_forward", t0)
             return tokens, U, lse, conf, anchor
         ids = torch.full((R, B), d.mask_token_id, dtype=torch.int64, device=self.device)
@@ -257,8 +267,7 @@ class Runner:
         U = self.target.lm_head(h.reshape(R * gamma, -1)).to(self.logits_dtype).view(R, gamma, -1)
         t0 = self._phase("draft_forward", t0)
         tokens, _, lse, conf = ops.markov_sample(
-            U, h.to(self.logits_dtype), anchor, self.head, **self._head_weights,
-            **self._rng(reqs))
+            U, h.to(self.logits_dtype), anchor, self.head, **self._head_weights, **rng)
         self._phase("sequential_head", t0)
         return tokens, U, lse, conf, anchor
 
@@ -310,10 +319,8 @@ class Runner:
         n_rows >= R + sum(lengths) is known on the host; rows past the real total are padding
         (id 0, position 0, slot -1, owner -1). Returns (meta, positions, ids, owner)."""
         R, ps, g1 = len(reqs), self.page_size, chains.shape[1]
-        width = max(1, max(len(r.target_pages) for r in reqs))
-        tables = torch.zeros(R, width, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            tables[i, : len(r.target_pages)] = torch.tensor(r.target_pages, dtype=torch.int64)
+        tables = _tables([r.target_pages for r in reqs])
+        width = tables.shape[1]
         dev = self._upload(torch.cat([torch.tensor([r.kv_len for r in reqs]), tables.view(-1)]),
                            torch.int64)
         kv0, tables = dev[:R], dev[R:].view(R, width)
@@ -355,9 +362,10 @@ class Runner:
         (threshold, sync) needs them; the async scheduler admits on the device instead."""
         R, gamma = len(reqs), self.gamma
         reads0 = self.host_reads
+        rng = self._rng(reqs)  # one upload per round, read by the head and the acceptance
         on_device = None  # (lengths [R] on the device, survival, K, budget source, caps)
         if gamma:
-            tokens, z, lse, conf, anchor = self.draft(reqs)
+            tokens, z, lse, conf, anchor = self.draft(reqs, rng)
             t0 = time.perf_counter()
             if self.synthetic is not None:
                 conf = self.synthetic.conf_logit(R, gamma, conf if conf is not None else z)
@@ -408,7 +416,7 @@ class Runner:
         if on_device is None:
             logits = self._filter(reqs, logits, cu)
         t0 = self._phase("verify_forward", t0)
-        acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **self._rng(reqs))
+        acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **rng)
         if self.synthetic is not None and gamma:
             verified = on_device[0] if on_device is not None else self._upload(lengths, torch.int64)
             acc, out = self.synthetic.accept(tokens, verified, logits, meta.cu_q)
@@ -422,7 +430,6 @@ class Runner:
             cu = [0]
             for n in lengths:
                 cu.append(cu[-1] + n + 1)
-            from .schedulers import candidates
             self.policy.observe(candidates(extra[:, 1:].float(), cap, gamma), lengths, K, source)
         self._phase("accept", t0)
         has_conf = self.mode == "dspark" and self.drafter.conf_w is not None

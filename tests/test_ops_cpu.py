@@ -366,3 +366,15 @@ def test_binding_errors():
     t = torch.zeros(4)
     a.q = t.data_ptr()
     assert a.q == t.data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_rejection_padding_rows_belong_to_no_request(backend):
+    """Rows past cu_rows[R] (an async verify batch's padding) are never read: NaN there changes
+    nothing, on fresh random inputs."""
+    for key in range(3):
+        kw = oc.rejection_inputs(oc.RejectionCase(5, 4, 40), key=key)
+        want = _rejection(kw, backend)
+        pad = torch.full((3, 40), float("nan"), dtype=kw["target_logits"].dtype)
+        got = _rejection({**kw, "target_logits": torch.cat([kw["target_logits"], pad])}, backend)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), key

@@ -168,6 +168,16 @@ def _rejection(kw, backend):
     return ops.rejection_sample(*args, backend=backend, **keys)
 
 
+@pytest.mark.gpu
+def test_rejection_padding_rows_belong_to_no_request():
+    """Rows past cu_rows[R] (an async verify batch's padding) are never read by the kernel."""
+    kw = oc.rejection_inputs(oc.RejectionCase(5, 4, 40), DEV, F32, key=1)
+    want = _rejection(kw, "cuda")
+    pad = torch.full((3, 40), float("nan"), dtype=F32, device=DEV)
+    got = _rejection({**kw, "target_logits": torch.cat([kw["target_logits"], pad])}, "cuda")
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(want, got))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", REJECTION_CASES, ids=str)
 def test_rejection_sample(case, dtype):
