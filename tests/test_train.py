@@ -62,15 +62,18 @@ def trained(tmp_path_factory):
               "--steps", "30", "--save-every", "30", *FAST, *c]
     s_dspark = _run(["drafter", "--out", str(tmp / "dspark"), "--head", "gated",
                      "--data", str(tmp / "regen.pt"), *common])
+    s_rnn = _run(["drafter", "--out", str(tmp / "rnn"), "--head", "rnn",
+                  "--data", str(tmp / "regen.pt"), *common])
     s_dflash = _run(["drafter", "--out", str(tmp / "dflash"), "--head", "none", *common])
     s_up = _run(["drafter", "--out", str(tmp / "upgraded"), "--head", "vanilla", "--upgrade-dflash",
                  str(tmp / "dflash"), *common, "--steps", "10"])
-    return tmp, {"target": s_target, "dspark": s_dspark, "dflash": s_dflash, "upgraded": s_up}
+    return tmp, {"target": s_target, "dspark": s_dspark, "rnn": s_rnn, "dflash": s_dflash,
+                 "upgraded": s_up}
 
 
 def test_training_lowers_the_loss(trained):
     _, s = trained
-    for name in ("target", "dspark", "dflash"):
+    for name in ("target", "dspark", "rnn", "dflash"):
         assert s[name]["final_loss"] < s[name]["first_loss"], (name, s[name])
 
 
@@ -87,7 +90,8 @@ def test_upgrade_dflash_keeps_the_backbone(trained):
 
 
 @pytest.mark.parametrize("drafter,mode", [("dspark", "dspark"), ("dspark", "dflash"),
-                                          ("dflash", "dflash"), ("upgraded", "dspark")])
+                                          ("rnn", "dspark"), ("dflash", "dflash"),
+                                          ("upgraded", "dspark")])
 def test_trained_checkpoints_decode_like_ar(trained, drafter, mode):
     tmp, _ = trained
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -125,7 +129,25 @@ def test_dense_target_equals_runtime(trained):
                                    rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("head", ["vanilla", "gated", "none"])
+def _heads_against_runtime(net, dr, U, h, anchor):
+    """The runtime samples greedily (ops.reference.markov_sample); feeding its own tokens back as
+    x_{k-1} to the training heads must reproduce its corrected logits z and confidence logits."""
+    z = U.clone()
+    w = {k: getattr(dr, k) for k in ("w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b",
+                                     "conf_w", "conf_b")}
+    R = h.shape[0]
+    tokens, _, _, conf = reference.markov_sample(
+        z, h, anchor, dr.head, **w, temperature=torch.zeros(R),
+        seed=torch.zeros(R, dtype=torch.int64), stream=torch.zeros(R, dtype=torch.int64),
+        round_=torch.zeros(R, dtype=torch.int64))
+    prev = torch.cat([anchor[:, None], tokens[:, :-1]], 1)
+    z_train, conf_train = net.heads(U, h, prev)
+    torch.testing.assert_close(z_train, z, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(conf_train, conf, rtol=1e-10, atol=1e-12)
+    return tokens
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", "none"])
 def test_dense_drafter_equals_runtime(trained, tmp_path, head):
     """drafter_block_forward (SDPA over [context ; all blocks] with a mask) against the runtime's
     context_update + forward_block over a paged cache, block by block; then the heads against
@@ -163,22 +185,39 @@ def test_dense_drafter_equals_runtime(trained, tmp_path, head):
                             torch.arange(p, p + gamma), causal=False)
             ref = dr.forward_block(block[b, a], torch.arange(p, p + gamma), meta, cache)
             torch.testing.assert_close(h[b, a], ref, rtol=1e-10, atol=1e-12)
-    # heads: the runtime samples greedily; feeding its own tokens back as x_{k-1} must reproduce
-    # its corrected logits z and confidence logits
     hr = h.reshape(-1, gamma, h.shape[-1])
-    U = tgt.lm_head(hr)
-    anchor = block[:, :, 0].reshape(-1)
-    z = U.clone()
-    w = {k: getattr(dr, k) for k in ("w1", "w2", "gate_w", "gate_b", "conf_w", "conf_b")}
-    R = hr.shape[0]
-    tokens, _, _, conf = reference.markov_sample(
-        z, hr, anchor, dr.head, **w, temperature=torch.zeros(R),
-        seed=torch.zeros(R, dtype=torch.int64), stream=torch.zeros(R, dtype=torch.int64),
-        round_=torch.zeros(R, dtype=torch.int64))
-    prev = torch.cat([anchor[:, None], tokens[:, :-1]], 1)
-    z_train, conf_train = net.heads(U, hr, prev)
-    torch.testing.assert_close(z_train, z, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(conf_train, conf, rtol=1e-10, atol=1e-12)
+    _heads_against_runtime(net, dr, tgt.lm_head(hr), hr, block[:, :, 0].reshape(-1))
+
+
+def test_trained_rnn_drafter_equals_runtime(trained):
+    """The briefly trained rnn drafter's file loads as a DSpark drafter with the rnn head, and the
+    training forward of the saved weights (teacher-forced along the block) equals the runtime's
+    markov_sample on the same hidden states and tokens."""
+    tmp, _ = trained
+    from safetensors.torch import load_file
+    dec = Decoder.from_pretrained(str(tmp / "target"), str(tmp / "rnn"), mode="dspark",
+                                  dtype="float64")
+    tgt, dr = dec.target, dec.drafter
+    cfg = json.loads((tmp / "rnn" / "config.json").read_text())
+    assert cfg["markov_head_type"] == "rnn" and cfg["confidence_head_with_markov"]
+    net = DrafterNet(cfg)
+    net.load_state_dict({n: t.double() for n, t in load_file(tmp / "rnn" / "model.safetensors")
+                         .items()})
+    net = net.double()
+    assert dr.head == "rnn" and dr.joint_w.shape == (3 * cfg["markov_rank"],
+                                                      2 * cfg["markov_rank"] + tgt.config.hidden_size)
+    gamma, V = cfg["block_size"], tgt.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    seqs = torch.randint(0, V, (2, 20), generator=g)
+    anchors = torch.tensor([[1, 9], [4, 13]])
+    _, feats, _ = target_forward(tgt, seqs, capture=cfg["target_layer_ids"], logits=False)
+    block = torch.full((2, 2, gamma), cfg["mask_token_id"])
+    block[:, :, 0] = torch.gather(seqs, 1, anchors)
+    h = drafter_block_forward(net, Rotary(tgt.config, torch.float64, "cpu"), tgt.embed_tokens,
+                              feats, block, anchors).reshape(-1, gamma, tgt.config.hidden_size)
+    _heads_against_runtime(net, dr, tgt.lm_head(h), h, block[:, :, 0].reshape(-1))
+    # the trained head is not a no-op: it moves the logits
+    assert net.markov_head.markov_w2.weight.abs().max() > 0
 
 
 @pytest.mark.skipif(not (PRETRAINED / "target" / "config.json").is_file(),

@@ -4,7 +4,7 @@ Stages, in pipeline order (scripts/make_tiny_pair.sh runs them all with fixed se
   tokenizer  byte-level BPE on the corpus -> tokenizer folder
   target     pretrain a tiny Qwen3 target -> Hugging Face folder
   regen      target-generated continuations of corpus windows (drafter training data)
-  drafter    train a DSpark (vanilla/gated head) or DFlash (--head none) drafter -> DeepSpec folder
+  drafter    train a DSpark (vanilla/gated/rnn head) or DFlash (--head none) drafter -> DeepSpec folder
   prompts    held-out corpus windows as a JSONL prompt file (for `dspark-rt calibrate`)
 The corpus defaults to this interpreter's standard library (*.py, tests skipped).
 """
@@ -80,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--data", help="regen .pt file (default: corpus windows)")
-    p.add_argument("--head", default="vanilla", choices=["vanilla", "gated", "none"],
+    p.add_argument("--head", default="vanilla", choices=["vanilla", "gated", "rnn", "none"],
                    help="sequential head; none = DFlash")
     p.add_argument("--gamma", type=int, default=7, help="block size (drafts per round)")
     p.add_argument("--layers", type=int, default=1, help="drafter decoder layers")

@@ -3,7 +3,8 @@
 
 State-dict names are the file's tensor names: layers.{i}.*, norm, fc, hidden_norm,
 markov_head.markov_w1 (an Embedding [V, r]), markov_head.markov_w2 (a Linear r -> V, weight
-[V, r]), markov_head.gate_proj (Linear d + r -> r), confidence_head.proj (Linear -> 1).
+[V, r]), markov_head.gate_proj (Linear d + r -> r, gated), markov_head.joint_proj (Linear
+2r + d -> 3r, rnn), confidence_head.proj (Linear -> 1).
 """
 import json
 import math
@@ -47,24 +48,46 @@ def drafter_config(target_cfg: dict, *, layers: int, gamma: int, target_layer_id
 
 
 class MarkovHead(nn.Module):
-    """bias_k = W2 e (vanilla) or W2 (sigmoid(gate_proj([h_k; e])) * e) (gated), e = W1[x_{k-1}]."""
+    """The sequential head (DESIGN §2 step 2, ops.reference.markov_sample), e = W1[x_{k-1}]:
+    vanilla  bias_k = W2 e
+    gated    bias_k = W2 (sigmoid(gate_proj([h_k; e])) * e)
+    rnn      a = joint_proj([s_{k-1}; e; h_k]) split (gate, cand, out) in r-sized thirds,
+             s_k = sigmoid(gate) * s_{k-1} + (1 - sigmoid(gate)) * tanh(cand), s_0 = 0,
+             bias_k = W2 tanh(out)."""
 
-    def __init__(self, V: int, r: int, d: int, gated: bool):
+    def __init__(self, V: int, r: int, d: int, kind: str = "vanilla"):
         super().__init__()
+        if kind not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"unknown sequential head {kind!r}")
+        self.kind, self.rank = kind, r
         self.markov_w1 = nn.Embedding(V, r)
         self.markov_w2 = nn.Linear(r, V, bias=False)
-        self.gate_proj = nn.Linear(d + r, r) if gated else None
+        self.gate_proj = nn.Linear(d + r, r) if kind == "gated" else None
+        self.joint_proj = nn.Linear(2 * r + d, 3 * r) if kind == "rnn" else None
         nn.init.normal_(self.markov_w1.weight, std=1.0)
         nn.init.zeros_(self.markov_w2.weight)  # starts as the plain backbone (bias 0)
-        if gated:
-            nn.init.normal_(self.gate_proj.weight, std=(d + r) ** -0.5)
-            nn.init.zeros_(self.gate_proj.bias)
+        for lin in (self.gate_proj, self.joint_proj):
+            if lin is not None:
+                nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
+                nn.init.zeros_(lin.bias)
 
     def forward(self, prev, h):
-        """prev [..., ] int64 x_{k-1}; h [..., d] -> (bias [..., V], e [..., r])."""
+        """prev [..., gamma] int64 x_{k-1}; h [..., gamma, d] -> (bias [..., gamma, V],
+        e [..., gamma, r]). The rnn head runs its state along the block axis (dim -2 of h),
+        teacher-forced: x_{k-1} is the given token, not a sampled one."""
         e = self.markov_w1(prev)
-        if self.gate_proj is not None:
+        if self.kind == "gated":
             e_in = torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e
+        elif self.kind == "rnn":
+            s = e.new_zeros(e[..., 0, :].shape)
+            outs = []
+            for k in range(e.shape[-2]):
+                ga, ca, oa = self.joint_proj(torch.cat([s, e[..., k, :], h[..., k, :]], -1)) \
+                    .split(self.rank, dim=-1)
+                sg = torch.sigmoid(ga)
+                s = sg * s + (1 - sg) * torch.tanh(ca)
+                outs.append(torch.tanh(oa))
+            e_in = torch.stack(outs, -2)
         else:
             e_in = e
         return self.markov_w2(e_in), e
@@ -93,8 +116,7 @@ class DrafterNet(nn.Module):
         self.norm = RMSNorm(d, tc.rms_norm_eps)
         self.fc = nn.Linear(m * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, tc.rms_norm_eps)
-        gated = cfg.get("markov_head_type") == "gated"
-        self.markov_head = MarkovHead(V, r, d, gated) if r else None
+        self.markov_head = MarkovHead(V, r, d, cfg.get("markov_head_type", "vanilla")) if r else None
         self.confidence_head = ConfidenceHead(d + r) if cfg["enable_confidence_head"] else None
         resid = 0.02 / math.sqrt(2 * L)
         for name, p in self.named_parameters(recurse=True):
@@ -111,8 +133,9 @@ class DrafterNet(nn.Module):
                 if not n.startswith(("markov_head", "confidence_head"))]
 
     def heads(self, U, h, prev):
-        """U [..., V] base logits, h [..., d], prev [...] x_{k-1} -> (z [..., V], conf_logit [...]
-        or None): the sequential head's corrected logits and the confidence logit."""
+        """U [..., gamma, V] base logits, h [..., gamma, d], prev [..., gamma] x_{k-1} ->
+        (z [..., gamma, V], conf_logit [..., gamma] or None): the sequential head's corrected
+        logits and the confidence logit (the rnn head's state runs along the gamma axis)."""
         if self.markov_head is None:
             z, e = U, None
         else:

@@ -6,7 +6,8 @@ position (layers target_layer_ids) and its distribution P at every position; A a
 sequence are drawn (distinct, in [1, L-1-gamma]). Block a is [x_p, m, ..., m] at positions
 p..p+gamma-1 with context = features of positions < p; h_k predicts position p+k, whose target
 distribution is P at p+k-1. With z_k = U_k + bias_k (U = target lm_head(h_k); the sequential head
-fed the sequence's own tokens x_{k-1} = seq[p+k-1], teacher forcing) and q_k = softmax(z_k):
+fed the sequence's own tokens x_{k-1} = seq[p+k-1], teacher forcing; the rnn head's state runs
+along the block over those tokens) and q_k = softmax(z_k):
 
   loss_k = 0.1 * CE(z_k, argmax P_{p+k-1})            (the target's greedy next token)
          + 0.9 * TV(q_k, P_{p+k-1}),  TV = 1/2 ||q - P||_1
@@ -113,7 +114,7 @@ def _build_net(target_dir, tcfg, *, head, gamma, layers, rank, target_layer_ids,
             raise ValueError(f"{upgrade_dflash}: --upgrade-dflash needs a DeepSpec DFlash drafter "
                              f"(markov_rank 0), got format {base.format}, head {base.head}")
         if head == "none":
-            raise ValueError("--upgrade-dflash adds a sequential head: pass --head vanilla|gated")
+            raise ValueError("--upgrade-dflash adds a sequential head: pass --head vanilla|gated|rnn")
         gamma, layers = base.block_size, base.num_hidden_layers
         target_layer_ids = list(base.target_layer_ids)
     mask_id = load_tokenizer(target_dir).token_to_id("<|mask|>")
