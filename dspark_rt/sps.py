@@ -6,7 +6,8 @@ points. Between two measured points the default "linear" rule interpolates betwe
 neighbours; "step" uses the value of the next measured B' >= B (a round with B tokens charged
 like the padded B' round). Step makes every grid point of the measurement a wall for the
 synchronous scheduler's early stop (the first token past a grid point pays the whole step), so
-use it only for tables measured at every B or at the engine's real padding points. Below the
+use it only for tables measured at every B or at the engine's real padding points. "floor" uses
+the last measured B' <= B, SGLang's lookup (tables read by `read_sglang_sps_table`). Below the
 first point the first value is used; above the last point there is no value (the schedulers
 never go there: `max_tokens` is the largest measured B).
 
@@ -17,7 +18,6 @@ limits. `check_profile` compares a loaded profile with the machine as it is now.
 import json
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,10 @@ from .env_info import nvml_state
 log = logging.getLogger(__name__)
 
 FORMAT = "dspark_rt.sps"
+INTERPS = ("linear", "step", "floor")
+# SGLang's DSpark SPS cost table (see read_sglang_sps_table) and its additive variant.
+SGLANG_SPS_FIELDS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")
+SGLANG_ADDITIVE_FIELDS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
 # Key fields that must match exactly; the SM clock is compared with a tolerance instead.
 IDENTITY_FIELDS = ("gpu_name", "gpu_uuid", "driver", "model", "dtype", "max_batch", "max_tokens")
 # NVML clock-event reasons that mean the clocks are being pulled down right now.
@@ -41,7 +45,7 @@ class SPSProfile:
     tokens: list[int]            # measured B values, strictly ascending, >= 1
     rounds_per_s: list[float]    # SPS at each measured B, > 0
     key: dict = field(default_factory=dict)
-    interp: str = "linear"       # "linear" or "step" (next measured point)
+    interp: str = "linear"       # "linear", "step" (next measured point), "floor" (previous one)
 
     def __post_init__(self):
         self.tokens = [int(b) for b in self.tokens]
@@ -53,8 +57,8 @@ class SPSProfile:
             raise ValueError(f"SPS token counts must be >= 1 and strictly ascending: {self.tokens}")
         if not all(math.isfinite(v) and v > 0 for v in self.rounds_per_s):
             raise ValueError(f"SPS values must be finite and > 0: {self.rounds_per_s}")
-        if self.interp not in ("step", "linear"):
-            raise ValueError(f"interp must be 'step' or 'linear', got {self.interp!r}")
+        if self.interp not in INTERPS:
+            raise ValueError(f"interp must be one of {INTERPS}, got {self.interp!r}")
 
     @classmethod
     def from_pairs(cls, pairs, key=None, interp="linear") -> "SPSProfile":
@@ -76,6 +80,8 @@ class SPSProfile:
         xs, ys = np.asarray(self.tokens), np.asarray(self.rounds_per_s)
         if self.interp == "linear":
             return np.interp(B, xs, ys)
+        if self.interp == "floor":
+            return ys[np.maximum(np.searchsorted(xs, B, side="right") - 1, 0)]
         return ys[np.searchsorted(xs, B, side="left")]
 
     def __call__(self, B):
@@ -101,11 +107,14 @@ class SPSProfile:
 
     @classmethod
     def load(cls, path) -> "SPSProfile":
-        d = json.loads(Path(path).read_text())
-        if d.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a {FORMAT} file (format={d.get('format')!r}); "
-                             "use read_sglang_table for other tables")
-        return cls.from_pairs(d["table"], d.get("key"), d.get("interp", "linear"))
+        """Our JSON (`save`) or SGLang's DSpark SPS cost table (`read_sglang_sps_table`)."""
+        d = _read_json_object(path)
+        if d.get("format") == FORMAT:
+            return cls.from_pairs(d["table"], d.get("key"), d.get("interp", "linear"))
+        if any(f in d for f in SGLANG_SPS_FIELDS + SGLANG_ADDITIVE_FIELDS):
+            return _from_sglang(d, path)
+        raise ValueError(f"{path}: not an SPS table in a supported format ({SUPPORTED}); "
+                         f"found top-level fields {sorted(d)}")
 
 
 def gpu_state(index: int = 0) -> dict | None:
@@ -193,84 +202,109 @@ def check_profile(profile: SPSProfile, expected_key: dict, *, gpu: dict | None =
     return ProfileCheck(out, reprofile, reasons)
 
 
-def read_sglang_table(path, unit: str = "auto", key=None, interp="linear") -> SPSProfile:
-    """Read an SPS table as SGLang's DSpark scheduler keeps it (format assumed, tolerant):
+SUPPORTED = (f'dspark_rt\'s own JSON ("format": "{FORMAT}") and SGLang\'s DSpark SPS cost table '
+             f'(an object with {", ".join(SGLANG_SPS_FIELDS)})')
 
-    * JSON: {"B": value, ...}; [[B, value], ...]; [{"<tokens>": B, "<value>": v}, ...] (the key
-      holding "token"/"batch" is B, the other the value); or any of these under one key of an
-      outer object (e.g. {"table": ...}, {"sps": ...}).
-    * text: two columns per line (comma, tab or spaces), '#' comments, optional header line.
-    unit of the values: "rounds_per_s", "seconds" (per round), "ms" (per round) or "auto": a
-    header / key name with "ms" -> ms, with "sec", "time" or "latency" -> seconds, with "sps",
-    "per_s" or "throughput" -> rounds/s; without a name, values all below 1 are seconds per round
-    (neither a round of a second nor under one round per second is plausible), else rounds/s.
+
+def read_sglang_sps_table(path, key=None) -> SPSProfile:
+    """SGLang's DSpark SPS cost table, the file behind its `--speculative-dspark-sps-table-path`.
+
+    Source: sgl-project/sglang, python/sglang/srt/speculative/dspark_components/dspark_sps.py
+    (also dspark_sps_table.py in some revisions): class `SpsCostTable`, written by the profiler
+    sglang/benchmark/dspark_sps_profiler.py and read by `load_sps_table_from_path`; the verify
+    budget planner (dspark_scheduler.py) looks it up. One JSON object:
+
+    * `sample_batch_tokens` [int]: the probed B, tokens of one verify forward (requests plus
+      verified drafts, our B = sum_r (1 + l_r)); strictly increasing, unique.
+    * `sample_steps_per_sec` [float]: decode steps (our rounds) per second measured at each B.
+    * `max_batch_tokens` int: the largest B the table answers for, >= the last probe.
+
+    SGLang keys the table by B alone (no GPU, model or dtype: the file is simply the one passed
+    on the command line) and looks B up by floor: the last probe <= B, the first probe's value
+    below it, the last probe's value up to max_batch_tokens. The profile returned has
+    interp="floor" and, when max_batch_tokens lies past the last probe, a point there holding
+    the last value, so every B in [1, max_batch_tokens] reads what SGLang reads. key: our cache
+    key to attach (the file carries none). Other fields are ignored, as SGLang's decoder does.
+
+    SGLang's other cost model, `SpsAdditiveCostTable` (bias_seconds, bs_probes/alpha_seconds,
+    m_probes/theta_seconds: a step time from the request count and the token count apart), has
+    no SPS(B) equivalent and is refused with an error.
     """
-    text = Path(path).read_text()
+    return _from_sglang(_read_json_object(path), path, key)
+
+
+def write_sglang_sps_table(profile: SPSProfile, path) -> Path:
+    """Write `profile` as SGLang's `SpsCostTable` JSON (see read_sglang_sps_table).
+
+    A "floor" profile is written as its points (a trailing point repeating the value before it,
+    as read_sglang_sps_table adds, becomes max_batch_tokens again); any other profile as its
+    value at every B in [1, max_tokens], so SGLang's floor lookup reads exactly our SPS(B).
+    """
+    if profile.interp == "floor":
+        tokens, values = list(profile.tokens), list(profile.rounds_per_s)
+        if len(tokens) > 1 and values[-1] == values[-2]:
+            tokens, values = tokens[:-1], values[:-1]
+    else:
+        tokens = list(range(1, profile.max_tokens + 1))
+        values = [float(v) for v in profile.dense()[1:]]
+    d = {"sample_batch_tokens": tokens, "sample_steps_per_sec": values,
+         "max_batch_tokens": profile.max_tokens}
+    path = Path(path)
+    path.write_text(json.dumps(d) + "\n")
+    return path
+
+
+def _read_json_object(path) -> dict:
     try:
-        pairs, name = _json_pairs(json.loads(text))
-    except json.JSONDecodeError:
-        pairs, name = _text_pairs(text)
-    if not pairs:
-        raise ValueError(f"{path}: no (B, value) pairs found")
-    if unit == "auto":
-        n = (name or "").lower()
-        if re.search(r"(^|[^a-z])ms([^a-z]|$)|msec|millis", n):
-            unit = "ms"
-        elif any(s in n for s in ("sps", "per_s", "throughput", "rounds_per")):
-            unit = "rounds_per_s"
-        elif any(s in n for s in ("sec", "time", "latency")):
-            unit = "seconds"
-        else:
-            unit = "seconds" if max(v for _, v in pairs) < 1.0 else "rounds_per_s"
-    conv = {"rounds_per_s": lambda v: v, "seconds": lambda v: 1.0 / v, "ms": lambda v: 1e3 / v}
-    if unit not in conv:
-        raise ValueError(f"unit must be auto, rounds_per_s, seconds or ms, got {unit!r}")
-    return SPSProfile.from_pairs([(b, conv[unit](v)) for b, v in pairs], key, interp)
+        d = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}); supported: {SUPPORTED}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: top level is a {type(d).__name__}, expected an object; "
+                         f"supported: {SUPPORTED}")
+    return d
 
 
-def _json_pairs(d):
-    if isinstance(d, dict):
-        if d and all(_is_number(k) for k in d):
-            return [(int(float(k)), float(v)) for k, v in d.items()], None
-        for k, v in d.items():
-            if isinstance(v, (dict, list)):
-                pairs, name = _json_pairs(v)
-                if pairs:
-                    return pairs, name or k
-        return [], None
-    if isinstance(d, list) and d and all(isinstance(e, dict) for e in d):
-        keys = list(d[0])
-        bkey = next((k for k in keys if "token" in k.lower() or "batch" in k.lower()), keys[0])
-        vkey = next(k for k in keys if k != bkey)
-        return [(int(e[bkey]), float(e[vkey])) for e in d], vkey
-    if isinstance(d, list):
-        return [(int(b), float(v)) for b, v in d], None
-    return [], None
+def _from_sglang(d: dict, path, key=None) -> SPSProfile:
+    if any(f in d for f in SGLANG_ADDITIVE_FIELDS):
+        raise ValueError(f"{path}: SGLang's additive cost table "
+                         f"({', '.join(SGLANG_ADDITIVE_FIELDS)}) prices a round by request count "
+                         "and token count separately; dspark_rt's SPS(B) has no request axis, so "
+                         f"it is not supported. Supported: {SUPPORTED}")
+    for f in SGLANG_SPS_FIELDS:
+        if f not in d:
+            raise ValueError(f"{path}: SGLang SPS table lacks field {f!r}")
+    tokens = _numbers(d, "sample_batch_tokens", path, int)
+    values = [float(v) for v in _numbers(d, "sample_steps_per_sec", path, (int, float))]
+    max_bt = d["max_batch_tokens"]
+    if not isinstance(max_bt, int) or isinstance(max_bt, bool):
+        raise ValueError(f"{path}: field 'max_batch_tokens' must be an integer, got {max_bt!r}")
+    if not tokens:
+        raise ValueError(f"{path}: field 'sample_batch_tokens' is empty")
+    if len(tokens) != len(values):
+        raise ValueError(f"{path}: fields 'sample_batch_tokens' and 'sample_steps_per_sec' differ "
+                         f"in length ({len(tokens)} vs {len(values)})")
+    if tokens[0] < 1 or any(b >= c for b, c in zip(tokens, tokens[1:])):
+        raise ValueError(f"{path}: field 'sample_batch_tokens' must be >= 1 and strictly "
+                         f"increasing, got {tokens}")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"{path}: field 'sample_steps_per_sec' must be finite and > 0, "
+                         f"got {values}")
+    if max_bt < tokens[-1]:
+        raise ValueError(f"{path}: field 'max_batch_tokens' ({max_bt}) is below the last probe "
+                         f"{tokens[-1]}")
+    if max_bt > tokens[-1]:  # SGLang's floor lookup holds the last value up to max_batch_tokens
+        tokens, values = tokens + [max_bt], values + [values[-1]]
+    return SPSProfile(tokens, values, dict(key or {}), interp="floor")
 
 
-def _text_pairs(text):
-    pairs, name = [], None
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        cols = [c for c in re.split(r"[,\t ;]+", line) if c]
-        if len(cols) < 2:
-            continue
-        if not (_is_number(cols[0]) and _is_number(cols[1])):
-            if not pairs:
-                name = cols[1]  # header
-            continue
-        pairs.append((int(float(cols[0])), float(cols[1])))
-    return pairs, name
-
-
-def _is_number(s) -> bool:
-    try:
-        float(s)
-        return True
-    except (TypeError, ValueError):
-        return False
+def _numbers(d, name, path, types) -> list:
+    xs = d[name]
+    if not isinstance(xs, list) or not all(isinstance(x, types) and not isinstance(x, bool)
+                                           for x in xs):
+        what = "integers" if types is int else "numbers"
+        raise ValueError(f"{path}: field {name!r} must hold {what}, got {d[name]!r}")
+    return xs
 
 
 def measure_profile(step_fn, B_values, seconds_budget: float, progress: bool = True, *,

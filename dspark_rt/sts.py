@@ -18,8 +18,11 @@ from .policy import Calibration
 
 FORMAT = "dspark_rt.sts"
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 121)  # ~5 % apart
-_SGLANG_KEYS = ("temperatures", "position_temperatures", "sts_temperatures", "temperature",
-                "per_position_temperatures", "sts")
+# SGLang's DSpark STS calibration JSON (see read_sglang_sts): field -> JSON type
+SGLANG_STS_FIELDS = {"temperatures": list, "dataset": str, "num_samples": int,
+                     "ece_before": list, "ece_after": list}
+SUPPORTED = (f'dspark_rt\'s own STS JSON ("format": "{FORMAT}") and SGLang\'s DSpark STS '
+             'calibration JSON (an object with "temperatures")')
 
 
 def ece(p: np.ndarray, y: np.ndarray, n_bins: int = 15) -> float:
@@ -105,6 +108,13 @@ class STSResult:
     def calibration(self) -> Calibration:
         return Calibration(list(self.temperatures))
 
+    def save_sglang(self, path, dataset: str = "") -> Path:
+        """Write SGLang's STS calibration JSON (write_sglang_sts) with our per-position ECE."""
+        return write_sglang_sts(path, self.temperatures, dataset=dataset,
+                                num_samples=int(self.metadata.get("n_rounds", 0)),
+                                ece_before=[r["ece_before"] for r in self.report],
+                                ece_after=[r["ece_after"] for r in self.report])
+
     def save(self, path) -> Path:
         path = Path(path)
         d = {"format": FORMAT, "version": 1, "temperatures": self.temperatures,
@@ -116,8 +126,8 @@ class STSResult:
     @classmethod
     def load(cls, path) -> "STSResult":
         d = json.loads(Path(path).read_text())
-        if d.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a {FORMAT} file; use read_temperatures for SGLang's")
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} file; read_temperatures also reads SGLang's")
         temps = [float(t) for t in d["temperatures"]]
         return cls(temps, d.get("report", []), d.get("metadata", {}))
 
@@ -170,33 +180,82 @@ def fit_sts(conf_logits, accepted, verified, *, grid=None, n_bins: int = 15,
 
 
 def read_temperatures(path) -> Calibration:
-    """Per-position temperatures from our STS JSON or SGLang DSpark's (format assumed, tolerant):
-    a bare list [t_1, ..., t_gamma]; an object with the list under one of _SGLANG_KEYS (searched
-    one level of nesting deep too, e.g. {"calibration": {"temperatures": [...]}}); or an object
-    keyed by position {"1": t_1, "2": t_2, ...} (0- or 1-based, ordered by position)."""
-    temps = _find_temps(json.loads(Path(path).read_text()))
-    if temps is None:
-        raise ValueError(f"{path}: no per-position temperature list found")
-    temps = [float(t) for t in temps]
+    """Per-position temperatures from our STS JSON (STSResult.save) or SGLang's (read_sglang_sts).
+    Any other file is refused with an error naming the supported formats."""
+    d = _read_json(path)
+    if isinstance(d, dict) and d.get("format") == FORMAT:
+        return STSResult.load(path).calibration()
+    return Calibration(read_sglang_sts(path)["temperatures"])
+
+
+def read_sglang_sts(path) -> dict:
+    """SGLang's DSpark STS calibration, the file behind `--speculative-dspark-confidence-sts-path`.
+
+    Source: sgl-project/sglang, python/sglang/srt/speculative/dspark_components/dspark_sts.py,
+    class `DSparkStsCalibration` (written by sglang/benchmark/dspark_sts_fit.py, loaded by
+    `load_sts_calibration_from_path` into the confidence head's temperatures by the DSpark
+    verify planner). One JSON object:
+
+    * `temperatures` [float], required, non-empty, every value > 0: t_k for draft position k
+      (index 0 is the first draft after the anchor); the head's survival is
+      cumprod_k sigmoid(logit_k / t_k), as in our Calibration. SGLang requires exactly gamma of
+      them; our Calibration needs at least gamma and uses the first gamma.
+    * `dataset` str: what it was fitted on (the fitter writes its input glob); optional.
+    * `num_samples` int: logged rounds it was fitted on; optional.
+    * `ece_before`, `ece_after` [float]: per position, the ECE (15 equal-width bins) of the
+      cumulative survival against "drafts 1..k accepted" with t = 1 and with the fitted t;
+      optional. The encoder leaves out fields at their defaults ("", 0, []).
+
+    Other fields are ignored, as SGLang's decoder does. Returns the five fields, defaults filled.
+    """
+    d = _read_json(path)
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: top level is a {type(d).__name__}, expected an object; "
+                         f"supported: {SUPPORTED}")
+    if "temperatures" not in d:
+        raise ValueError(f"{path}: no field 'temperatures' (found {sorted(d)}); "
+                         f"supported: {SUPPORTED}")
+    out = {"temperatures": [], "dataset": "", "num_samples": 0, "ece_before": [], "ece_after": []}
+    for name, typ in SGLANG_STS_FIELDS.items():
+        if name not in d:
+            continue
+        v = d[name]
+        numbers = typ is list and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                      for x in (v if isinstance(v, list) else []))
+        if not isinstance(v, typ) or isinstance(v, bool) or (typ is list and not numbers):
+            what = "a list of numbers" if typ is list else f"a JSON {typ.__name__}"
+            raise ValueError(f"{path}: field {name!r} must be {what}, got {v!r}")
+        out[name] = [float(x) for x in v] if typ is list else v
+    temps = out["temperatures"]
     if not temps or not all(math.isfinite(t) and t > 0 for t in temps):
-        raise ValueError(f"{path}: temperatures must be finite and > 0, got {temps}")
-    return Calibration(temps)
+        raise ValueError(f"{path}: field 'temperatures' must be non-empty, finite and > 0, "
+                         f"got {temps}")
+    return out
 
 
-def _find_temps(d, depth=0):
-    if isinstance(d, list) and all(isinstance(t, (int, float)) for t in d):
-        return d
-    if not isinstance(d, dict) or depth > 2:
-        return None
-    if d and all(str(k).lstrip("-").isdigit() for k in d):
-        return [d[k] for k in sorted(d, key=int)]
-    for k in _SGLANG_KEYS:
-        if k in d and (found := _find_temps(d[k], depth + 1)) is not None:
-            return found
-    for v in d.values():
-        if isinstance(v, dict) and (found := _find_temps(v, depth + 1)) is not None:
-            return found
-    return None
+def write_sglang_sts(path, temperatures, *, dataset: str = "", num_samples: int = 0,
+                     ece_before=(), ece_after=()) -> Path:
+    """Write SGLang's DSpark STS calibration JSON (fields as in read_sglang_sts). Like SGLang's
+    encoder, fields at their defaults are left out; so is an ECE list with a NaN (a position
+    never verified), since SGLang's decoder takes no null there and the lists are optional."""
+    temps = [float(t) for t in temperatures]
+    if not temps or not all(math.isfinite(t) and t > 0 for t in temps):
+        raise ValueError(f"temperatures must be non-empty, finite and > 0, got {temps}")
+    eces = {k: [float(e) for e in v] for k, v in (("ece_before", ece_before),
+                                                  ("ece_after", ece_after))}
+    d = {"temperatures": temps, "dataset": str(dataset), "num_samples": int(num_samples),
+         **{k: v for k, v in eces.items() if all(math.isfinite(e) for e in v)}}
+    d = {k: v for k, v in d.items() if k == "temperatures" or v not in ("", 0, [])}
+    path = Path(path)
+    path.write_text(json.dumps(d) + "\n")
+    return path
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}); supported: {SUPPORTED}") from None
 
 
 def reliability_diagram(conf_logits, accepted, verified, temperatures, path, *,

@@ -1,4 +1,5 @@
 """Throughput profile: table lookup, cache key checks, foreign tables, measurement."""
+import bisect
 import json
 import logging
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from dspark_rt import sps as sps_mod
-from dspark_rt.sps import SPSProfile, check_profile, measure_profile, profile_key, read_sglang_table
+from dspark_rt.sps import (SPSProfile, check_profile, measure_profile, profile_key,
+                           read_sglang_sps_table, write_sglang_sps_table)
 
 GPU = {"name": "NVIDIA H200", "uuid": "GPU-1234", "driver": "560.35", "sm_clock_mhz": 1980,
        "throttle_reasons": []}
@@ -24,6 +26,11 @@ def test_lookup_step_and_linear():
     np.testing.assert_array_equal(p(np.array([1, 8, 9])), [100.0, 90.0, 95.0])
     lin = SPSProfile(p.tokens, p.rounds_per_s)  # linear is the default
     assert lin(12) == pytest.approx(92.5) and lin(8) == 90.0 and lin(40) == pytest.approx(67.5)
+    # floor (SGLang's lookup): the last measured point at or below B, the first value below it
+    fl = SPSProfile([2, 8, 16, 64], p.rounds_per_s, interp="floor")
+    assert [fl(b) for b in (1, 2, 7, 8, 15, 16, 63, 64)] == [100, 100, 100, 90, 90, 95, 95, 40]
+    with pytest.raises(ValueError, match="interp"):
+        SPSProfile([1], [1.0], interp="nearest")
     for bad in (0, 65):
         with pytest.raises(ValueError):
             p(bad)
@@ -89,32 +96,102 @@ def test_gpu_state_without_gpu():
     assert state is None or "sm_clock_mhz" in state
 
 
-@pytest.mark.parametrize("name,text,unit", [
-    ("a.json", json.dumps({"1": 100.0, "8": 90.0, "64": 40.0}), "auto"),
-    ("b.json", json.dumps([[1, 100.0], [8, 90.0], [64, 40.0]]), "auto"),
-    ("c.json", json.dumps({"sps": {"1": 100.0, "8": 90.0, "64": 40.0}}), "auto"),
-    ("d.json", json.dumps([{"batch_tokens": 1, "latency_s": 0.01}, {"batch_tokens": 8, "latency_s": 1 / 90},
-                           {"batch_tokens": 64, "latency_s": 0.025}]), "auto"),
-    ("e.csv", "batch_tokens,rounds_per_second\n1,100\n8,90\n64,40\n", "auto"),
-    ("f.txt", "# measured\n1 0.01\n8\t0.011111111111111\n\n64 0.025\n", "auto"),
-    ("g.csv", "tokens, latency_ms\n64, 25\n1, 10\n8, 11.111111111111\n", "auto"),
-    ("h.txt", "1 10\n8 11.111111111111\n64 25\n", "ms"),
+# SGLang's DSpark SPS cost table (sglang .../dspark_components/dspark_sps.py, SpsCostTable):
+# probed verify-forward token counts, decode steps per second at each, the largest B served.
+SGLANG_TABLE = {"sample_batch_tokens": [4, 12, 24, 48],
+                "sample_steps_per_sec": [210.0, 205.5, 150.0, 98.25], "max_batch_tokens": 96}
+
+
+def sglang_lookup(table, B):
+    """SGLang's lookup: the last probe <= B, clamped to the first probe below it."""
+    edges = table["sample_batch_tokens"]
+    i = max(0, min(bisect.bisect_right(edges, B) - 1, len(edges) - 1))
+    return table["sample_steps_per_sec"][i]
+
+
+def _write_json(path, obj):
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.mark.parametrize("table", [
+    SGLANG_TABLE,
+    {**SGLANG_TABLE, "max_batch_tokens": 48},                    # max at the last probe
+    {"sample_batch_tokens": [1], "sample_steps_per_sec": [3], "max_batch_tokens": 1},
+    {**SGLANG_TABLE, "note": "profiled at bs 1..8"},             # unknown fields are ignored
 ])
-def test_reads_sglang_tables(tmp_path, name, text, unit):
+def test_reads_sglang_sps_table(tmp_path, table):
+    path = _write_json(tmp_path / "sps.json", table)
+    p = read_sglang_sps_table(path, key={"model": "m"})
+    assert p.interp == "floor" and p.key == {"model": "m"}
+    assert p.max_tokens == table["max_batch_tokens"]
+    assert [p(b) for b in range(1, p.max_tokens + 1)] == \
+        [sglang_lookup(table, b) for b in range(1, p.max_tokens + 1)]
+    assert SPSProfile.load(path) == SPSProfile(p.tokens, p.rounds_per_s, {}, "floor")
+
+
+def test_sglang_sps_round_trip(tmp_path):
+    src = _write_json(tmp_path / "sps.json", SGLANG_TABLE)
+    out = write_sglang_sps_table(read_sglang_sps_table(src), tmp_path / "back.json")
+    assert json.loads(out.read_text()) == SGLANG_TABLE
+    # a profile of ours (linear, step) is written at every B, so SGLang reads our SPS(B) exactly
+    for p in (jagged(), SPSProfile([2, 8, 16, 64], [100.0, 90.0, 95.0, 40.0])):
+        d = json.loads(write_sglang_sps_table(p, tmp_path / "ours.json").read_text())
+        assert d["max_batch_tokens"] == 64
+        assert [sglang_lookup(d, b) for b in range(1, 65)] == [p(b) for b in range(1, 65)]
+        back = SPSProfile.load(tmp_path / "ours.json")
+        assert [back(b) for b in range(1, 65)] == [p(b) for b in range(1, 65)]
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"sample_batch_tokens": None}, "sample_batch_tokens"),       # None: field removed
+    ({"sample_steps_per_sec": None}, "sample_steps_per_sec"),
+    ({"max_batch_tokens": None}, "max_batch_tokens"),
+    ({"sample_batch_tokens": [4, 12, 12, 48]}, "sample_batch_tokens"),
+    ({"sample_batch_tokens": [12, 4, 24, 48]}, "sample_batch_tokens"),
+    ({"sample_batch_tokens": [0, 12, 24, 48]}, "sample_batch_tokens"),
+    ({"sample_batch_tokens": [4.0, 12, 24, 48]}, "sample_batch_tokens"),
+    ({"sample_batch_tokens": [4, 12, 24]}, "sample_steps_per_sec"),
+    ({"sample_batch_tokens": []}, "sample_batch_tokens"),
+    ({"sample_batch_tokens": "4,12"}, "sample_batch_tokens"),
+    ({"sample_steps_per_sec": [210.0, 0.0, 150.0, 98.25]}, "sample_steps_per_sec"),
+    ({"sample_steps_per_sec": [210.0, -1.0, 150.0, 98.25]}, "sample_steps_per_sec"),
+    ({"sample_steps_per_sec": [210.0, "fast", 150.0, 98.25]}, "sample_steps_per_sec"),
+    ({"max_batch_tokens": 40}, "max_batch_tokens"),
+    ({"max_batch_tokens": 96.0}, "max_batch_tokens"),
+    ({"max_batch_tokens": True}, "max_batch_tokens"),
+])
+def test_rejects_malformed_sglang_sps_table(tmp_path, change, field):
+    table = {k: v for k, v in {**SGLANG_TABLE, **change}.items() if v is not None}
+    path = _write_json(tmp_path / "bad.json", table)
+    for read in (read_sglang_sps_table, SPSProfile.load):
+        with pytest.raises(ValueError, match=field) as e:
+            read(path)
+        assert str(path) in str(e.value)
+
+
+def test_sglang_additive_table_is_refused(tmp_path):
+    path = _write_json(tmp_path / "add.json", {
+        "bias_seconds": 0.004, "bs_probes": [1, 8], "alpha_seconds": [0.0, 0.001],
+        "m_probes": [1, 64], "theta_seconds": [0.0, 0.002]})
+    for read in (read_sglang_sps_table, SPSProfile.load):
+        with pytest.raises(ValueError, match="additive cost table.*bias_seconds") as e:
+            read(path)
+        assert str(path) in str(e.value) and "sample_batch_tokens" in str(e.value)
+
+
+@pytest.mark.parametrize("name,text", [
+    ("a.json", json.dumps({"1": 100.0, "8": 90.0})),            # the formats once guessed
+    ("b.json", json.dumps([[1, 100.0], [8, 90.0]])),
+    ("c.json", json.dumps({"sps": {"1": 100.0, "8": 90.0}})),
+    ("d.csv", "batch_tokens,rounds_per_second\n1,100\n8,90\n"),
+])
+def test_unsupported_tables_name_the_supported_formats(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
-    p = read_sglang_table(path, unit=unit)
-    assert p.tokens == [1, 8, 64]
-    np.testing.assert_allclose(p.rounds_per_s, [100.0, 90.0, 40.0], rtol=1e-9)
-
-
-def test_sglang_table_errors(tmp_path):
-    (tmp_path / "e.txt").write_text("# nothing\n")
-    with pytest.raises(ValueError):
-        read_sglang_table(tmp_path / "e.txt")
-    (tmp_path / "u.txt").write_text("1 2\n")
-    with pytest.raises(ValueError):
-        read_sglang_table(tmp_path / "u.txt", unit="furlongs")
+    with pytest.raises(ValueError, match="supported") as e:
+        SPSProfile.load(path)
+    assert str(path) in str(e.value) and "sample_steps_per_sec" in str(e.value)
 
 
 def test_measure_profile_on_fake_step(monkeypatch):

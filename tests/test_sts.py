@@ -88,24 +88,91 @@ def _write(path, obj):
     return path
 
 
+# SGLang's DSpark STS calibration JSON (sglang .../dspark_components/dspark_sts.py,
+# DSparkStsCalibration): what its fitter writes, and the minimal file its loader accepts.
+SGLANG_FITTED = {"temperatures": [0.9, 1.1, 1.3], "dataset": "/data/sts/confidence.*.pt",
+                 "num_samples": 4096, "ece_before": [0.08, 0.11, 0.15],
+                 "ece_after": [0.01, 0.02, 0.02]}
+
+
 @pytest.mark.parametrize("obj", [
-    [0.9, 1.1, 1.3],
+    SGLANG_FITTED,
     {"temperatures": [0.9, 1.1, 1.3]},
-    {"position_temperatures": [0.9, 1.1, 1.3], "gamma": 3},
-    {"sts_temperatures": [0.9, 1.1, 1.3]},
-    {"calibration": {"temperatures": [0.9, 1.1, 1.3]}, "model": "x"},
-    {"1": 0.9, "2": 1.1, "3": 1.3},
-    {"2": 1.3, "0": 0.9, "1": 1.1},
+    {"temperatures": [0.9, 1.1, 1.3], "fitted_by": "someone"},  # unknown fields are ignored
+    {"temperatures": [0.9, 1.1, 1.3], "num_samples": 0, "dataset": ""},
 ])
-def test_reads_sglang_temperature_json(tmp_path, obj):
-    cal = sts.read_temperatures(_write(tmp_path / "t.json", obj))
-    assert cal.temperatures == [0.9, 1.1, 1.3]
+def test_reads_sglang_sts_json(tmp_path, obj):
+    path = _write(tmp_path / "sts.json", obj)
+    assert sts.read_temperatures(path).temperatures == [0.9, 1.1, 1.3]
+    d = sts.read_sglang_sts(path)
+    assert set(d) == set(sts.SGLANG_STS_FIELDS)
+    for name in ("dataset", "num_samples", "ece_before", "ece_after"):
+        assert d[name] == obj.get(name, {"dataset": "", "num_samples": 0}.get(name, []))
 
 
-@pytest.mark.parametrize("obj", [{"foo": "bar"}, [1.0, -2.0], {"temperatures": []}])
-def test_rejects_bad_temperature_json(tmp_path, obj):
-    with pytest.raises(ValueError):
-        sts.read_temperatures(_write(tmp_path / "t.json", obj))
+def test_sglang_temperatures_apply_per_draft_position(tmp_path):
+    """temperatures[k] scales the logit of draft k (k = 0 is the first draft after the anchor)."""
+    cal = sts.read_temperatures(_write(tmp_path / "sts.json", {"temperatures": [0.5, 2.0]}))
+    z = torch.tensor([[1.0, 1.0], [-2.0, 4.0]], dtype=torch.float64)
+    c_hat, surv = cal.apply(z)
+    want = torch.sigmoid(z / torch.tensor([0.5, 2.0], dtype=torch.float64))
+    torch.testing.assert_close(c_hat, want.float())
+    torch.testing.assert_close(surv, torch.cumprod(want, dim=1).float())
+
+
+@pytest.mark.parametrize("obj,field", [
+    ({"dataset": "x"}, "temperatures"),                                   # required field missing
+    ({"temperatures": []}, "temperatures"),
+    ({"temperatures": [1.0, -2.0]}, "temperatures"),
+    ({"temperatures": [1.0, 0.0]}, "temperatures"),
+    ({"temperatures": [1.0, "2"]}, "temperatures"),
+    ({"temperatures": [1.0, True]}, "temperatures"),
+    ({"temperatures": 1.5}, "temperatures"),
+    ({"temperatures": {"0": 1.0, "1": 1.1}}, "temperatures"),             # keyed by position
+    ({"temperatures": [1.0], "num_samples": "12"}, "num_samples"),
+    ({"temperatures": [1.0], "num_samples": 1.5}, "num_samples"),
+    ({"temperatures": [1.0], "dataset": 3}, "dataset"),
+    ({"temperatures": [1.0], "ece_before": [0.1, None]}, "ece_before"),
+    ({"temperatures": [1.0], "ece_after": 0.1}, "ece_after"),
+    ({"calibration": {"temperatures": [1.0]}}, "temperatures"),           # the old guesses
+    ({"position_temperatures": [1.0]}, "temperatures"),
+    ({"1": 0.9, "2": 1.1}, "temperatures"),
+])
+def test_rejects_malformed_sglang_sts(tmp_path, obj, field):
+    path = _write(tmp_path / "bad.json", obj)
+    with pytest.raises(ValueError, match=field) as e:
+        sts.read_temperatures(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["[0.9, 1.1]", "0.9 1.1\n", ""])
+def test_unsupported_files_name_the_supported_formats(tmp_path, text):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="supported") as e:
+        sts.read_temperatures(path)
+    assert str(path) in str(e.value) and "SGLang" in str(e.value) and sts.FORMAT in str(e.value)
+
+
+def test_sglang_sts_round_trip(tmp_path):
+    z, acc, ver = planted_rounds(n=5000, seed=4)
+    res = sts.fit_sts(z, acc, ver, grid=GRID)
+    path = res.save_sglang(tmp_path / "sts.json", dataset="planted")
+    d = json.loads(path.read_text())
+    assert set(d) == set(sts.SGLANG_STS_FIELDS)
+    back = sts.read_sglang_sts(path)
+    assert back["temperatures"] == res.temperatures
+    assert back == {"temperatures": res.temperatures, "dataset": "planted", "num_samples": 5000,
+                    "ece_before": [r["ece_before"] for r in res.report],
+                    "ece_after": [r["ece_after"] for r in res.report]}
+    assert sts.read_temperatures(path).temperatures == res.temperatures
+    # defaults are left out, as SGLang's encoder does; an ECE list with a NaN too (no null there)
+    bare = sts.write_sglang_sts(tmp_path / "bare.json", [1.0, 2.0],
+                                ece_before=[0.1, float("nan")], ece_after=[0.1, 0.2])
+    assert json.loads(bare.read_text()) == {"temperatures": [1.0, 2.0], "ece_after": [0.1, 0.2]}
+    for bad in ([], [1.0, 0.0], [float("inf")]):
+        with pytest.raises(ValueError):
+            sts.write_sglang_sts(tmp_path / "x.json", bad)
 
 
 def test_reliability_diagram_writes_png(tmp_path):
