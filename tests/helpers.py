@@ -18,3 +18,18 @@ def full_forward_logits(target, seq) -> torch.Tensor:
                     slot_mapping=torch.arange(n, dtype=torch.int64), causal=True)
     logits, _ = target.forward(torch.tensor(seq, dtype=torch.int64), torch.arange(n), meta, cache)
     return logits
+
+
+def batched_full_logits(target, seqs: torch.Tensor) -> torch.Tensor:
+    """Target logits [S, L, V] of S equal-length sequences seqs [S, L], each in one fresh causal
+    forward over the whole sequence (one page per sequence, nothing incremental reused)."""
+    cfg = target.config
+    S, L = seqs.shape
+    cache = PagedKVCache(cfg.num_hidden_layers, S, L, cfg.num_key_value_heads, cfg.head_dim,
+                         target.dtype, target.device)
+    meta = AttnMeta(cu_q=torch.arange(0, S * L + 1, L, dtype=torch.int32),
+                    kv_lens=torch.full((S,), L, dtype=torch.int32),
+                    block_tables=torch.arange(S, dtype=torch.int32)[:, None],
+                    slot_mapping=torch.arange(S * L, dtype=torch.int64), causal=True)
+    logits, _ = target.forward(seqs.reshape(-1), torch.arange(L).repeat(S), meta, cache)
+    return logits.view(S, L, -1)
