@@ -60,8 +60,9 @@ def _score(kw, z, r, k):
     T = float(kw["temperature"][r])
     if T == 0:
         return z.double()
-    g = philox.gumbel(kw["seed"][r], kw["stream"][r], kw["round_"][r], philox.PURPOSE_DRAFT,
-                      k + 1, torch.arange(z.shape[0]))
+    coupled = "coupled" in kw and bool(kw["coupled"][r])
+    rnd, purpose, pos = philox.site(kw["round_"][r], coupled, philox.PURPOSE_DRAFT, k + 1)
+    g = philox.gumbel(kw["seed"][r], kw["stream"][r], rnd, purpose, pos, torch.arange(z.shape[0]))
     return z.double() / T + g
 
 
