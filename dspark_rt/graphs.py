@@ -142,8 +142,8 @@ class GraphRunner:
             raise ValueError("GraphRunner: warmup must be >= 1 (one-time set-up such as cuBLAS "
                              "workspaces must not happen inside a capture)")
         self.capture, self.warmup = capture, warmup
-        # the rnn head has no CUDA kernel (markov_sample runs its host-syncing reference): its
-        # drafts stay eager while the verify forward is still captured
+        # the rnn head has no CUDA kernel (the ops door routes it to the host-syncing
+        # reference, ops._markov_backend): its drafts stay eager, the verify is still captured
         self.draft_capturable = not (capture and head == "rnn")
         self.device = target.device
         self.verify_buckets = sorted(set(verify_buckets or default_buckets(max_verify_tokens)))

@@ -18,8 +18,8 @@
 //
 // Requests are processed in groups of up to 64 (each group sweeps W2 again): the bias tile and
 // e_eff of a group live in shared memory. The RNN head returns kUnsupported: its state update
-// needs a (3r x (2r + d)) matvec per step and request, and the runtime falls back to the
-// reference for it.
+// needs a (3r x (2r + d)) matvec per step and request, and the ops door
+// (dspark_rt/ops/__init__.py, _markov_backend) routes rnn on CUDA tensors to the reference.
 #include "markov_sample.h"
 
 #include <algorithm>
@@ -755,7 +755,7 @@ Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream) {
   if (p.V < 1 || p.V > (1ll << 30) || p.gamma > 0xffff || p.R * p.gamma > (1ll << 30) || p.d > (1 << 30)) {
     return Status::kBadArgument;
   }
-  if (p.head == MarkovHead::kRnn) return Status::kUnsupported;  // the runtime uses the reference
+  if (p.head == MarkovHead::kRnn) return Status::kUnsupported;  // the ops door routes rnn to the reference
   if (p.head != MarkovHead::kNone && p.head != MarkovHead::kVanilla && p.head != MarkovHead::kGated) {
     return Status::kBadArgument;
   }

@@ -4,6 +4,8 @@ Each op checks its tensors once, by name (dtype, device, shape, contiguity, inde
 a backend and hands raw pointers, sizes and the current stream to the extension. Backends:
 "reference" (ops/reference.py, plain PyTorch, the ground truth), "cpp" (C++ CPU kernels) and
 "cuda". The default follows the tensors' device; DSPARK_BACKEND=reference forces the reference.
+One op/argument pair has no kernel: markov_sample with head "rnn" on CUDA tensors runs the
+reference by default (_markov_backend, the only such routing).
 """
 import os
 
@@ -59,6 +61,19 @@ def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
     return backend
 
 
+def _markov_backend(device: torch.device, backend, dtype, head):
+    """markov_sample's backend: _backend's, except that by default the rnn head on CUDA tensors
+    runs the reference. The CUDA kernel has no rnn path (its state update is a 3r x (2r + d)
+    matvec per step and request, left to the reference's GEMMs); the reference is the semantics
+    itself, on the same device, so the output does not change, only its speed (and it reads the
+    device, so CUDA graphs keep rnn drafts eager: graphs.py). An explicit backend="cuda" still
+    reaches the kernel, which refuses the rnn head."""
+    be = _backend("markov_sample", device, backend, dtype, "logits")
+    if backend is None and head == "rnn" and be == "cuda":
+        return "reference"
+    return be
+
+
 def _coupled(op, coupled, R, dev):
     """The optional per-request coupled flags [R] (bool or uint8; None: all false)."""
     if coupled is None:
@@ -103,7 +118,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     R, gamma, V = logits.shape
     dev = logits.device
     fdt = logits.dtype
-    be = _backend(op, dev, backend, fdt, "logits")
+    be = _markov_backend(dev, backend, fdt, head)
     hidden = tensor(op, "hidden", hidden, dtype=fdt, ndim=3, device=dev)
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
