@@ -149,6 +149,7 @@ PYBIND11_MODULE(_C, m) {
     DefPtr(c, "seed", &P::seed);
     DefPtr(c, "stream", &P::stream);
     DefPtr(c, "round", &P::round);
+    DefPtr(c, "coupled", &P::coupled);
     DefPtr(c, "tokens", &P::tokens);
     DefPtr(c, "logprob", &P::logprob);
     DefPtr(c, "lse", &P::lse);
@@ -179,6 +180,7 @@ PYBIND11_MODULE(_C, m) {
     DefPtr(c, "seed", &P::seed);
     DefPtr(c, "stream", &P::stream);
     DefPtr(c, "round", &P::round);
+    DefPtr(c, "coupled", &P::coupled);
     DefPtr(c, "num_accepted", &P::num_accepted);
     DefPtr(c, "out_tokens", &P::out_tokens);
     m.def(

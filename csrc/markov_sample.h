@@ -32,7 +32,9 @@ struct MarkovSampleParams {
   const float* temperature = nullptr;  // [R]; 0 means greedy
   const uint64_t* seed = nullptr;      // [R]
   const int64_t* stream = nullptr;     // [R] random stream id (philox.h)
-  const int64_t* round = nullptr;      // [R] the request's round counter
+  const int64_t* round = nullptr;      // [R] the request's round counter (coupled: n0)
+  const uint8_t* coupled = nullptr;    // [R] nonzero: Gumbel-coupled rule, round = n0 the
+                                       // tokens emitted so far (philox.h); null: none
 
   int64_t* tokens = nullptr;       // [R, gamma] x_1..x_gamma
   void* logprob = nullptr;         // [R, gamma] log q_k(x_k)  (greedy: log softmax(z)(x_k))

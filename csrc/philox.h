@@ -10,13 +10,20 @@
 //
 // `stream` is the request's random stream id (0 for a request with its own seed, so the tokens
 // do not depend on where the request sits in the batch); `round` counts the request's rounds.
+//
+// Coupled sampling (DESIGN §2) keys the Gumbel noise by output index alone: the noise of a
+// request's n-th emitted token has round = n, purpose kPurposeCoupled, position 0, and the draft
+// and the target share it. Callers then pass n0 (tokens emitted so far) as `round`; NoiseSite
+// gives the counter fields for block position k under either rule.
 #pragma once
 #include "common.h"
 
 namespace dspark {
 
 // Purposes keep the draws of one round independent of each other.
-enum Purpose : uint32_t { kPurposeDraft = 1, kPurposeAccept = 2, kPurposeEmit = 3 };
+enum Purpose : uint32_t {
+  kPurposeDraft = 1, kPurposeAccept = 2, kPurposeEmit = 3, kPurposeCoupled = 4
+};
 
 struct PhiloxKey {
   uint64_t seed;
@@ -55,6 +62,21 @@ DSPARK_HD uint32_t PhiloxWord(const PhiloxKey& key, uint32_t purpose, uint32_t p
                    key.stream};
   Philox4x32x10(c, static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
   return c[index & 3];
+}
+
+// Where the noise of block position k (1-based) of a round lives: by default (key, purpose,
+// position k); for a coupled request (key.round = n0) output index n0 + k alone:
+// (round n0 + k, kPurposeCoupled, position 0).
+struct NoiseSite {
+  PhiloxKey key;
+  uint32_t purpose;
+  uint32_t position;
+};
+
+DSPARK_HD NoiseSite SiteOf(PhiloxKey key, bool coupled, uint32_t purpose, int64_t k) {
+  if (!coupled) return NoiseSite{key, purpose, static_cast<uint32_t>(k)};
+  key.round += static_cast<uint32_t>(k);
+  return NoiseSite{key, kPurposeCoupled, 0};
 }
 
 DSPARK_HD double WordToUniform(uint32_t word) {

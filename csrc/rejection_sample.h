@@ -19,7 +19,9 @@ struct RejectionSampleParams {
   const float* temperature = nullptr;  // [R]; 0 means greedy
   const uint64_t* seed = nullptr;      // [R]
   const int64_t* stream = nullptr;     // [R]
-  const int64_t* round = nullptr;      // [R]
+  const int64_t* round = nullptr;      // [R] round counter (coupled: n0)
+  const uint8_t* coupled = nullptr;    // [R] nonzero: Gumbel-coupled rule, round = n0 the
+                                       // tokens emitted so far (philox.h); null: none
 
   int32_t* num_accepted = nullptr;  // [R] a_r
   int64_t* out_tokens = nullptr;    // [R, gamma + 1] x_1..x_a, y, then -1

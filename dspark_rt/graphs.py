@@ -142,8 +142,8 @@ class GraphRunner:
             raise ValueError("GraphRunner: warmup must be >= 1 (one-time set-up such as cuBLAS "
                              "workspaces must not happen inside a capture)")
         self.capture, self.warmup = capture, warmup
-        # the rnn head has no CUDA kernel (markov_sample runs its host-syncing reference): its
-        # drafts stay eager while the verify forward is still captured
+        # the rnn head has no CUDA kernel (the ops door routes it to the host-syncing
+        # reference, ops._markov_backend): its drafts stay eager, the verify is still captured
         self.draft_capturable = not (capture and head == "rnn")
         self.device = target.device
         self.verify_buckets = sorted(set(verify_buckets or default_buckets(max_verify_tokens)))
@@ -181,7 +181,8 @@ class GraphRunner:
         self.anchor = torch.zeros(r_max, **i64)
         self.rng = dict(temperature=torch.zeros(r_max, dtype=torch.float32, device=dev),
                         seed=torch.zeros(r_max, **i64), stream=torch.zeros(r_max, **i64),
-                        round_=torch.zeros(r_max, **i64))
+                        round_=torch.zeros(r_max, **i64),
+                        coupled=torch.zeros(r_max, dtype=torch.uint8, device=dev))
         V = self.target.config.vocab_size
         # outputs: [max_batch, gamma] tokens / lse / conf_logit and [max_batch, gamma, V] z,
         # allocated here, outside the graph pool
@@ -349,14 +350,14 @@ class GraphRunner:
         self.anchor[R:r_b].zero_()
         for k, buf in self.rng.items():
             buf[:R].copy_(rng[k])
-            buf[R:r_b].zero_()  # temperature 0: padding requests draft greedily
+            buf[R:r_b].zero_()  # temperature 0: padding requests draft greedily, uncoupled
 
     def draft(self, anchor, positions, meta: AttnMeta, cache, rng: dict):
         """Runner.draft after its metadata: anchor [R] int64; positions [R * block_size] int64
         and meta (bidirectional) of each request's block; rng: temperature [R] float32, seed,
-        stream, round_ [R] int64 (Runner._rng). Returns (tokens [R, gamma] int64,
-        z [R, gamma, V], lse [R, gamma], conf_logit [R, gamma]), bucketed by R, eager when R or
-        the block-table width do not fit (and for the rnn head)."""
+        stream, round_ [R] int64, coupled [R] uint8 (Runner._rng). Returns (tokens [R, gamma]
+        int64, z [R, gamma, V], lse [R, gamma], conf_logit [R, gamma]), bucketed by R, eager
+        when R or the block-table width do not fit (and for the rnn head)."""
         if self.drafter is None:
             raise ValueError("GraphRunner.draft: built without a drafter")
         R, w = anchor.shape[0], meta.block_tables.shape[1]

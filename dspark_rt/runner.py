@@ -272,10 +272,15 @@ class Runner:
         return tokens, U, lse, conf, anchor
 
     def _rng(self, reqs):
+        """The ops' random keys. A coupled request keys its noise by output index (DESIGN §2):
+        its round_ is n0, the number of tokens it emitted so far, and block position k draws
+        the noise of output index n0 + k, so its tokens do not depend on where rounds split."""
         seeds = [r.seed - (1 << 64) if r.seed >= (1 << 63) else r.seed for r in reqs]
-        ints = self._upload([seeds, [r.stream for r in reqs], [r.round for r in reqs]], torch.int64)
+        rounds = [len(r.output_ids) if r.params.coupled else r.round for r in reqs]
+        coupled = [int(r.params.coupled) for r in reqs]
+        ints = self._upload([seeds, [r.stream for r in reqs], rounds, coupled], torch.int64)
         return dict(temperature=self._upload([r.params.temperature for r in reqs], torch.float32),
-                    seed=ints[0], stream=ints[1], round_=ints[2])
+                    seed=ints[0], stream=ints[1], round_=ints[2], coupled=ints[3].to(torch.uint8))
 
     def _filter(self, reqs, logits, cu_rows: list[int]):
         """Applies each request's top-k / top-p to its rows of target logits."""

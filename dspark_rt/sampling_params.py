@@ -10,6 +10,9 @@ class SamplingParams:
     with its own seed draws the same tokens wherever it sits in a batch. stop: strings that end
     the output (not included in it); stop_token_ids end it after that token. logprobs=True
     returns the target's log-probability (raw logits, before temperature) of every emitted token.
+    coupled: Gumbel-coupled acceptance: a seeded request emits exactly what seeded plain decoding
+    emits, whatever the batch, policy or drafter; costs acceptance: P(x = y) >= (1 - TV)/(1 + TV)
+    instead of 1 - TV (DESIGN §2, coupled sampling; greedy requests are unaffected).
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -20,6 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    coupled: bool = False
 
     def __post_init__(self):
         self.check()
@@ -56,6 +60,8 @@ class SamplingParams:
             bad("ignore_eos", "must be a bool")
         if not isinstance(self.logprobs, bool):
             bad("logprobs", "must be a bool")
+        if not isinstance(self.coupled, bool):
+            bad("coupled", "must be a bool")
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_rt.ops import philox
+
 SEED = int(os.environ.get("DSPARK_TEST_SEED") or random.SystemRandom().randrange(2**31))
 
 
@@ -88,6 +90,17 @@ def _temperatures(rd, R, mode):
     return t.to(torch.float32)
 
 
+def _coupled(R, mode):
+    """[R] per-request coupled flags (None for "none"): "mixed" flags requests r % 3 != 0 as
+    uint8 (with mixed temperatures: coupled greedy, coupled sampled and plain sampled rows),
+    "all" flags every request as bool."""
+    if mode == "none":
+        return None
+    if mode == "all":
+        return torch.ones(R, dtype=torch.bool)
+    return (torch.arange(R) % 3 != 0).to(torch.uint8)
+
+
 def _keys(rd, R):
     """Random (seed, stream, round): streams are mostly 0 (a request with its own seed)."""
     stream = torch.where(rd.rand(R) < 0.7, 0, rd.randint(1, 2**20, (R,)))
@@ -108,6 +121,7 @@ class MarkovCase:
     conf: str = "none"         # none | plain (w . h_k) | markov (w . [h_k; W1[x_{k-1}]])
     temps: str = "mixed"       # greedy | sampled | mixed
     noncontig: bool = False    # hidden and weights as strided views (the door copies them)
+    coupled: str = "none"      # none | mixed | all: Gumbel-coupled requests (_coupled)
 
 
 MARKOV_CASES = [
@@ -121,6 +135,10 @@ MARKOV_CASES = [
     MarkovCase(5, 2, 2049, "none", conf="plain", temps="sampled", noncontig=True),
     MarkovCase(2, 6, 37, "none", rank=8, conf="markov"),  # Markov feature without a head
     MarkovCase(6, 3, 517, "vanilla", rank=33, d=17, temps="mixed"),
+    MarkovCase(6, 4, 1000, "vanilla", rank=16, temps="mixed", coupled="mixed"),
+    MarkovCase(3, 5, 517, "gated", conf="markov", temps="sampled", coupled="all"),
+    MarkovCase(4, 3, 1030, "rnn", rank=8, d=16, temps="sampled", coupled="mixed"),
+    MarkovCase(5, 2, 2049, "none", temps="sampled", coupled="mixed", noncontig=True),
 ]
 
 
@@ -136,7 +154,10 @@ def markov_inputs(case: MarkovCase, device="cpu", dtype=torch.float32, key=0,
     conf_dim = d + r if case.conf == "markov" else d
     f = lambda t: strided(_to(t, device, dtype)) if case.noncontig else _to(t, device, dtype)
     seed, stream, round_ = _keys(rd, R)
+    coupled = _coupled(R, case.coupled)
+    extra = {} if coupled is None else {"coupled": coupled.to(device)}
     return dict(
+        **extra,
         logits=_to(rd.randn(R, G, V, scale=2.0), device, dtype),  # written in place: contiguous
         hidden=f(rd.randn(R, G, d)),
         anchor=rd.randint(0, V, (R,)).to(device),
@@ -165,6 +186,8 @@ class RejectionCase:
     temps: str = "mixed"
     drafts: str = "likely"   # likely: q close to P and x ~ q (long acceptances) | random
     noncontig: bool = False
+    coupled: str = "none"    # none | mixed | all (_coupled); likely coupled drafts are the
+                             # target's coupled tokens until a random miss
 
 
 REJECTION_CASES = [
@@ -177,6 +200,10 @@ REJECTION_CASES = [
     RejectionCase(8, 3, 517, "random", "greedy", noncontig=True),
     RejectionCase(7, 5, 129, "random", "mixed", noncontig=True),
     RejectionCase(4, 16, 64, "full", "sampled", "random"),
+    RejectionCase(6, 5, 1000, "random", "mixed", coupled="mixed"),
+    RejectionCase(5, 4, 517, "full", "sampled", coupled="all"),
+    RejectionCase(3, 0, 37, "zero", "sampled", coupled="mixed"),
+    RejectionCase(7, 7, 129, "random", "mixed", "random", noncontig=True, coupled="mixed"),
 ]
 
 
@@ -218,8 +245,20 @@ def rejection_inputs(case: RejectionCase, device="cpu", dtype=torch.float32, key
     draft_c = draft.to(device=device, dtype=dtype)
     draft_lse = torch.logsumexp(draft_c.double() / tsafe.to(device).double()[:, None, None], -1)
     seed, stream, round_ = _keys(rd, R)
+    coupled = _coupled(R, case.coupled)
+    extra = {} if coupled is None else {"coupled": coupled.to(device)}
+    if coupled is not None and case.drafts == "likely":
+        for r in range(R):
+            if not coupled[r] or temperature[r] == 0:
+                continue
+            for k in range(int(ells[r])):  # y_k = argmax(row / T + g_{n0+k}), until a miss
+                n, purpose, pos = philox.site(round_[r], True, 0, k + 1)
+                g = philox.gumbel(seed[r], stream[r], n, purpose, pos, torch.arange(V))
+                y = int((target[int(cu[r]) + k] / tsafe[r] + g.to(rd.fdt)).argmax())
+                tokens[r, k] = (y + int(rd.rand(1) < 0.2)) % V
     view = strided if case.noncontig else (lambda t: t)
     return dict(
+        **extra,
         target_logits=view(target.to(device=device, dtype=dtype)),
         cu_rows=cu.to(device),
         draft_tokens=tokens.to(device),

@@ -64,7 +64,7 @@ def test_drafts_are_accepted_somewhere(tiny_target, tiny_drafters):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,mode", [("vanilla", "dspark"), ("gated", "dspark"),
+@pytest.mark.parametrize("kind,mode", [("vanilla", "dspark"), ("gated", "dspark"), ("rnn", "dspark"),
                                        ("none", "dflash"), ("zlab", "dflash")])
 def test_cuda_speculative_equals_ar(tiny_target, tiny_drafters, kind, mode):
     """On the GPU in float32 (the CUDA kernels take no float64): speculative output equals plain

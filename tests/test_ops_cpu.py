@@ -60,8 +60,9 @@ def _score(kw, z, r, k):
     T = float(kw["temperature"][r])
     if T == 0:
         return z.double()
-    g = philox.gumbel(kw["seed"][r], kw["stream"][r], kw["round_"][r], philox.PURPOSE_DRAFT,
-                      k + 1, torch.arange(z.shape[0]))
+    coupled = "coupled" in kw and bool(kw["coupled"][r])
+    rnd, purpose, pos = philox.site(kw["round_"][r], coupled, philox.PURPOSE_DRAFT, k + 1)
+    g = philox.gumbel(kw["seed"][r], kw["stream"][r], rnd, purpose, pos, torch.arange(z.shape[0]))
     return z.double() / T + g
 
 
@@ -314,6 +315,60 @@ def test_bad_inputs_markov():
     _raises(lambda: run(gate_w=kw["gate_w"][:, 1:]), "gate_w")
     _raises(lambda: run(temperature=kw["temperature"].double()), "temperature")
     _raises(lambda: run(seed=kw["seed"][:1]), "seed")
+
+
+def test_bad_inputs_coupled():
+    mk = oc.markov_inputs(oc.MarkovCase(2, 3, 40, "vanilla"))
+    _raises(lambda: _markov({**mk, "coupled": torch.ones(3, dtype=torch.bool)}, "cpp"), "coupled", "shape")
+    rj = oc.rejection_inputs(oc.RejectionCase(3, 4, 30, "full"))
+    _raises(lambda: _rejection({**rj, "coupled": torch.ones(3, dtype=torch.int64)}, "cpp"), "coupled")
+
+
+def test_rejection_coupled_plain_step():
+    """No drafts (plain decoding): a coupled row emits argmax(row / T + g_{n0+1}), the noise of
+    output index n0 + 1 (round n0 + 1, purpose coupled, position 0), on both backends."""
+    kw = oc.rejection_inputs(oc.RejectionCase(6, 0, 300, "zero", "sampled", coupled="all"))
+    for backend in ("cpp", "reference"):
+        _, out = _rejection(kw, backend)
+        for r in range(6):
+            g = philox.gumbel(kw["seed"][r], kw["stream"][r], kw["round_"][r] + 1,
+                              philox.PURPOSE_COUPLED, 0, torch.arange(300))
+            row = kw["target_logits"][r].double() / float(kw["temperature"][r])
+            assert int(out[r, 0]) == int((row + g).argmax()), (backend, r)
+
+
+# --------------------------------------------------------------------------------------------
+# the rnn head on CUDA tensors: the door routes it to the reference (no CUDA kernel)
+
+def test_rnn_on_cuda_routes_to_reference(monkeypatch):
+    """The backend choice alone (no GPU needed): pretend this build has the CUDA kernels."""
+    monkeypatch.setattr(ops, "available_backends", lambda: ["reference", "cpp", "cuda"])
+    cuda, cpu, f32 = torch.device("cuda"), torch.device("cpu"), torch.float32
+    assert ops._markov_backend(cuda, None, f32, "rnn") == "reference"
+    assert ops._markov_backend(cuda, None, torch.bfloat16, "rnn") == "reference"
+    for head in ("none", "vanilla", "gated"):
+        assert ops._markov_backend(cuda, None, f32, head) == "cuda"
+    assert ops._markov_backend(cuda, "cuda", f32, "rnn") == "cuda"  # explicit: the kernel refuses
+    assert ops._markov_backend(cpu, None, f32, "rnn") == "cpp"
+
+
+def test_rnn_decode_on_cpp(tiny_target, tiny_drafters, monkeypatch):
+    """A whole CPU decode with the rnn head drafts on the C++ kernel and equals greedy AR
+    (float64, as in test_greedy_equality.py)."""
+    from dspark_rt import Decoder, SamplingParams
+    calls = []
+    real = ops._run
+    monkeypatch.setattr(ops, "_run", lambda name, p, be, dev: (calls.append((name, be)),
+                                                              real(name, p, be, dev)))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [3, 17, 42]]
+    spec = Decoder.from_pretrained(tiny_target, tiny_drafters("rnn", 4), mode="dspark",
+                                   dtype="float64").generate(prompts, params, use_tqdm=False)
+    assert ("markov_sample", "cpp") in calls
+    ar = Decoder.from_pretrained(tiny_target, mode="ar", dtype="float64").generate(
+        prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in ar]
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
 
 
 def test_bad_inputs_rejection():

@@ -66,6 +66,9 @@ MARKOV_CASES = oc.MARKOV_CASES + [
     MC(9, 4, 7001, "gated", rank=128, d=64, conf="plain", temps="greedy"),
     MC(70, 2, 3000, "vanilla", rank=32, d=32, temps="sampled"),         # two request groups
     MC(4, 3, 2048, "gated", rank=40, d=24, conf="markov"),              # rank % 32: CUDA cores
+    MC(8, 5, 32768, "vanilla", rank=256, d=128, coupled="mixed"),       # coupled, tensor cores
+    MC(70, 2, 3000, "gated", rank=32, d=32, temps="sampled", coupled="mixed"),  # two groups
+    MC(5, 4, 3000, "rnn", rank=32, d=48, conf="markov"),                # routed to the reference
 ]
 
 
@@ -82,8 +85,8 @@ def _markov(kw, backend):
     args = (z, kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"))
     if backend == "reference":
         keys = ("w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b", "conf_w", "conf_b",
-                "temperature", "seed", "stream", "round_")
-        out = reference.markov_sample(*args, *(kw[k] for k in keys))
+                "temperature", "seed", "stream", "round_", "coupled")
+        out = reference.markov_sample(*args, *(kw.get(k) for k in keys))
     else:
         out = ops.markov_sample(*args, backend=backend, **kw)
     return (z, *out)
@@ -129,8 +132,10 @@ def _check_markov(case, dtype, kw, ref, got, where):
                 continue
             s = z_r[r, k].double().nan_to_num(nan=-math.inf)
             if t > 0:
-                s = s / t + philox.gumbel(kw["seed"][r], kw["stream"][r], kw["round_"][r],
-                                          philox.PURPOSE_DRAFT, k + 1, torch.arange(case.V, device=DEV))
+                coupled = "coupled" in kw and bool(kw["coupled"][r])
+                rnd, purpose, pos = philox.site(kw["round_"][r], coupled, philox.PURPOSE_DRAFT, k + 1)
+                s = s / t + philox.gumbel(kw["seed"][r], kw["stream"][r], rnd, purpose, pos,
+                                          torch.arange(case.V, device=DEV))
             gap = float(s.max() - s[int(tok_g[r, k])])
             assert gap <= 2 * float(dz[r, k]) / ts + 1e-12, \
                 f"request {r} step {k}: token {int(tok_g[r, k])} is {gap:.3g} below the best, no tie: {where}"
@@ -142,14 +147,19 @@ def _check_markov(case, dtype, kw, ref, got, where):
 def test_markov_sample(case, dtype):
     kw = _markov_inputs(case, dtype)
     where = oc.where(case)
-    try:
-        got = _markov(kw, "cuda")
-    except RuntimeError as e:  # the RNN head: the kernel refuses, the runtime uses the reference
-        assert case.head == "rnn" and "unsupported" in str(e), (e, where)
-        return
+    # The rnn head has no CUDA kernel: the door's default (backend None) routes it to the
+    # reference on the GPU, which is what the runtime runs.
+    got = _markov(kw, None if case.head == "rnn" else "cuda")
     _check_markov(case, dtype, kw, _markov(kw, "reference"), got, where)
     if dtype == F32 and _has_cpp():
         _check_markov(case, dtype, kw, _markov(_cpu(kw), "cpp"), got, where + " (vs cpp)")
+
+
+def test_markov_rnn_kernel_refuses():
+    """An explicit backend="cuda" reaches the kernel, which has no rnn path and says so."""
+    kw = _markov_inputs(oc.MarkovCase(2, 3, 100, "rnn", rank=8, d=16), F32)
+    with pytest.raises(RuntimeError, match="unsupported"):
+        _markov(kw, "cuda")
 
 
 # ---- rejection_sample -------------------------------------------------------------------------
@@ -157,12 +167,13 @@ RC = oc.RejectionCase
 REJECTION_CASES = oc.REJECTION_CASES + [
     RC(16, 7, 32000, "random", "sampled"), RC(8, 4, 20000, "random", "greedy"),
     RC(40, 3, 18992, "full", "mixed"), RC(3, 5, 151936, "random", "mixed"),
+    RC(12, 7, 32000, "random", "mixed", coupled="mixed"), RC(3, 5, 151936, "full", "sampled", coupled="all"),
 ]
 
 
 def _rejection(kw, backend):
     args = [kw[k] for k in ("target_logits", "cu_rows", "draft_tokens", "draft_logits", "draft_lse")]
-    keys = {k: kw[k] for k in ("temperature", "seed", "stream", "round_")}
+    keys = {k: kw.get(k) for k in ("temperature", "seed", "stream", "round_", "coupled")}
     if backend == "reference":
         return reference.rejection_sample(*args, *keys.values())
     return ops.rejection_sample(*args, backend=backend, **keys)
@@ -280,11 +291,13 @@ _SANITIZE_SCRIPT = textwrap.dedent("""
     from tests import op_cases as oc
     for dt in (torch.bfloat16, torch.float32):
         for c in (oc.MarkovCase(3, 2, 1100, "gated", rank=32, d=24, conf="markov"),
-                  oc.MarkovCase(2, 2, 700, "vanilla", rank=20, temps="sampled")):
+                  oc.MarkovCase(2, 2, 700, "vanilla", rank=20, temps="sampled"),
+                  oc.MarkovCase(3, 2, 700, "vanilla", rank=20, temps="sampled", coupled="mixed")):
             kw = oc.markov_inputs(c, "cuda", dt)
             ops.markov_sample(kw.pop("logits"), kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"),
                               backend="cuda", **kw)
-        for c in (oc.RejectionCase(4, 3, 9000, "random", "mixed"), oc.RejectionCase(3, 2, 1000, "full", "sampled")):
+        for c in (oc.RejectionCase(4, 3, 9000, "random", "mixed"), oc.RejectionCase(3, 2, 1000, "full", "sampled"),
+                  oc.RejectionCase(4, 3, 9000, "random", "mixed", coupled="mixed")):
             kw = oc.rejection_inputs(c, "cuda", dt)
             ops.rejection_sample(*[kw.pop(k) for k in ("target_logits", "cu_rows", "draft_tokens",
                                                        "draft_logits", "draft_lse")], backend="cuda", **kw)

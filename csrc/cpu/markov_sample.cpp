@@ -122,7 +122,8 @@ DSPARK_ALWAYS_INLINE void SliceImpl(Ctx<T>& c, int64_t sl, int64_t k) {
     if (greedy) {
       for (int64_t j = 0; j < n; ++j) best.Offer(zt[j], v0 + j);
     } else {
-      GumbelArgmax(c.Key(r), kPurposeDraft, static_cast<uint32_t>(k + 1), v0, n, w, part.m,
+      const NoiseSite site = SiteOf(c.Key(r), p.coupled && p.coupled[r], kPurposeDraft, k + 1);
+      GumbelArgmax(site.key, site.purpose, site.position, v0, n, w, part.m,
                    [&](int64_t j) { return zt[j]; }, best);
     }
     c.lse[r * c.n_slices + sl] = part;

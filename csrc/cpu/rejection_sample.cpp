@@ -35,18 +35,17 @@ DSPARK_ALWAYS_INLINE double RowLse(const T* row, int64_t V, double t) {
   return total.Value();
 }
 
-// argmax_v(row[v] / t + gumbel(emit, position, v)): the bonus token.
+// argmax_v(row[v] / t + gumbel(site, v)): the bonus token, or a coupled row's token.
 template <class T>
-DSPARK_ALWAYS_INLINE int64_t EmitFromRow(const PhiloxKey& key, uint32_t position, const T* row,
-                                         int64_t V, double t) {
+DSPARK_ALWAYS_INLINE int64_t EmitFromRow(const NoiseSite& site, const T* row, int64_t V, double t) {
   double zt[kSlice], w[kSlice];
   ArgPart best;
   for (int64_t v0 = 0; v0 < V; v0 += kSlice) {
     const int64_t n = std::min(kSlice, V - v0);
     for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(row[v0 + j]) / t;
     const LsePart part = LseSlice(zt, n, w);
-    GumbelArgmax(key, kPurposeEmit, position, v0, n, w, part.m, [&](int64_t j) { return zt[j]; },
-                 best);
+    GumbelArgmax(site.key, site.purpose, site.position, v0, n, w, part.m,
+                 [&](int64_t j) { return zt[j]; }, best);
   }
   return best.Index();
 }
@@ -86,6 +85,16 @@ DSPARK_ALWAYS_INLINE void RequestImpl(const RejectionSampleParams& p, int64_t r)
   if (p.temperature[r] == 0.0f) {
     while (a < ell && drafts[a] == RowArgmax(rows + a * V, V)) ++a;
     y = RowArgmax(rows + a * V, V);
+  } else if (p.coupled && p.coupled[r]) {
+    // Coupled (DESIGN §2): y_k = argmax(row_{k-1} / T + g_{n0+k}), the draft shares the noise;
+    // accept x_k iff it equals y_k, and y at the first disagreement (or after l) is emitted.
+    const double t = static_cast<double>(p.temperature[r]);
+    const PhiloxKey key{p.seed[r], static_cast<uint32_t>(p.stream[r]),
+                        static_cast<uint32_t>(p.round[r])};
+    for (;; ++a) {
+      y = EmitFromRow(SiteOf(key, true, 0, a + 1), rows + a * V, V, t);
+      if (a == ell || drafts[a] != y) break;
+    }
   } else {
     const double t = static_cast<double>(p.temperature[r]);
     const PhiloxKey key{p.seed[r], static_cast<uint32_t>(p.stream[r]),
@@ -106,7 +115,7 @@ DSPARK_ALWAYS_INLINE void RequestImpl(const RejectionSampleParams& p, int64_t r)
       rejected = true;
       break;
     }
-    if (!rejected) y = EmitFromRow(key, static_cast<uint32_t>(ell + 1), rows + ell * V, V, t);
+    if (!rejected) y = EmitFromRow(SiteOf(key, false, kPurposeEmit, ell + 1), rows + ell * V, V, t);
   }
   std::copy(drafts, drafts + a, out);
   out[a] = y;

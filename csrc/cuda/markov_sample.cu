@@ -18,8 +18,8 @@
 //
 // Requests are processed in groups of up to 64 (each group sweeps W2 again): the bias tile and
 // e_eff of a group live in shared memory. The RNN head returns kUnsupported: its state update
-// needs a (3r x (2r + d)) matvec per step and request, and the runtime falls back to the
-// reference for it.
+// needs a (3r x (2r + d)) matvec per step and request, and the ops door
+// (dspark_rt/ops/__init__.py, _markov_backend) routes rnn on CUDA tensors to the reference.
 #include "markov_sample.h"
 
 #include <algorithm>
@@ -53,6 +53,7 @@ struct SweepArgs {
   const uint64_t* seed;
   const int64_t* stream;
   const int64_t* round;
+  const uint8_t* coupled;  // [G] or null: Gumbel-coupled noise (philox.h SiteOf)
   Partial* partials;      // [gridDim.x, G]
   int G, gamma, V, rank, k, tv;
   int es_stride;          // row stride of e in shared memory (elements)
@@ -259,8 +260,9 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
           if (j < nvalid) am.Offer(static_cast<double>(xs[j]), v + j);
         }
       } else {
-        const PhiloxKey key{a.seed[rq], static_cast<uint32_t>(a.stream[rq]), static_cast<uint32_t>(a.round[rq])};
-        const uint32_t pos = static_cast<uint32_t>(a.k + 1);
+        const NoiseSite site = SiteOf(
+            PhiloxKey{a.seed[rq], static_cast<uint32_t>(a.stream[rq]), static_cast<uint32_t>(a.round[rq])},
+            a.coupled && a.coupled[rq], kPurposeDraft, a.k + 1);
         // Seed the pre-filter with the exact score of the item's largest logit: any entry whose
         // logit is more than ~17.5 T below it cannot win and skips Philox altogether.
         float best_f = -kInfF;
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
           const int src = __ffs(ball) - 1;
           double sc = 0.0;
           if (lane == src) {
-            const uint4 w = PhiloxQuad(key, kPurposeDraft, pos, static_cast<uint32_t>(v) >> 2);
+            const uint4 w = PhiloxQuad(site.key, site.purpose, site.position, static_cast<uint32_t>(v) >> 2);
             const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
             uint32_t word = ws[0];
 #pragma unroll
@@ -289,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
           sc = __shfl_sync(0xffffffffu, sc, src);
           best_f = static_cast<float>(sc);
         }
-        OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, key, kPurposeDraft, pos);
+        OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, site.key, site.purpose, site.position);
       }
       lse.WarpMerge(inv_t);
       am.WarpMerge();
@@ -677,6 +679,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     sa.seed = p.seed + r0;
     sa.stream = p.stream + r0;
     sa.round = p.round + r0;
+    sa.coupled = p.coupled ? p.coupled + r0 : nullptr;
     sa.partials = partials;
     sa.G = Gg;
     sa.gamma = gamma;
@@ -752,7 +755,7 @@ Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream) {
   if (p.V < 1 || p.V > (1ll << 30) || p.gamma > 0xffff || p.R * p.gamma > (1ll << 30) || p.d > (1 << 30)) {
     return Status::kBadArgument;
   }
-  if (p.head == MarkovHead::kRnn) return Status::kUnsupported;  // the runtime uses the reference
+  if (p.head == MarkovHead::kRnn) return Status::kUnsupported;  // the ops door routes rnn to the reference
   if (p.head != MarkovHead::kNone && p.head != MarkovHead::kVanilla && p.head != MarkovHead::kGated) {
     return Status::kBadArgument;
   }

@@ -4,12 +4,15 @@
 // Three stream-ordered launches, each over the whole batch:
 //   1. RowStatsKernel, block = (request, verified row, 8192-entry vocabulary chunk): streams the
 //      target row once and leaves a partial: the argmax (greedy rows), the log-sum-exp of x / T
-//      (rows whose P feeds an acceptance test) or the bonus token's Gumbel argmax (the last row).
+//      (rows whose P feeds an acceptance test) or a Gumbel argmax (the last row's bonus token;
+//      every row of a coupled request, whose tokens y_k are all Gumbel argmaxes).
 //   2. DecideKernel, block = (request, chunk): every block of a request merges the row partials
 //      in the same fixed order and runs the (at most gamma) acceptance tests, so all reach the
 //      same decision; at a rejection each block then streams its chunk of the target and draft
 //      rows once more for the residual Gumbel-max, max(0, P - q) formed on the fly.
 //   3. FinishKernel, thread = request: merges the residual partials into y.
+// Coupled requests (DESIGN §2) decide like greedy ones, x_k == y_k, on their rows' Gumbel argmaxes
+// and never sweep a residual.
 // Splitting rows into fixed-size chunks (rather than one block per request) keeps the Gumbel
 // work of a single request spread over many SMs: at R = 1 a one-block sweep of 152k entries
 // would take tens of microseconds of Philox and logs. The chunk size is a constant, so results
@@ -45,6 +48,7 @@ struct Args {
   const uint64_t* seed;
   const int64_t* stream;
   const int64_t* round;
+  const uint8_t* coupled;       // [R] or null
   int32_t* num_accepted;
   int64_t* out_tokens;  // [R, gamma + 1]
   RowStat* stats;       // [R, gamma + 1, C]
@@ -57,6 +61,8 @@ struct Args {
 __device__ __forceinline__ PhiloxKey KeyOf(const Args& a, int r) {
   return PhiloxKey{a.seed[r], static_cast<uint32_t>(a.stream[r]), static_cast<uint32_t>(a.round[r])};
 }
+
+__device__ __forceinline__ bool CoupledOf(const Args& a, int r) { return a.coupled && a.coupled[r]; }
 
 template <class T>
 __device__ __forceinline__ float4 LoadQuad(const T* row, int v, int nvalid, bool vec) {
@@ -101,10 +107,13 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
   if (ell < 0 || ell > a.gamma || row_k > ell) return;
   const float tf = a.temperature[r];
   const bool greedy = tf == 0.f;
-  const bool bonus = !greedy && row_k == ell;
+  const bool coupled = CoupledOf(a, r);
+  // bonus row, or any coupled row: y = argmax(row / T + gumbel(site))
+  const bool gumbel_row = !greedy && (coupled || row_k == ell);
+  const NoiseSite site = coupled ? SiteOf(KeyOf(a, r), true, 0, row_k + 1)
+                                 : SiteOf(KeyOf(a, r), false, kPurposeEmit, ell + 1);
   const float inv_t = greedy ? 1.f : 1.f / tf;
   const double td = greedy ? 1.0 : static_cast<double>(tf);
-  const PhiloxKey key = KeyOf(a, r);
   const T* row = static_cast<const T*>(a.target) + static_cast<int64_t>(lo + row_k) * a.V;
   const int v_end = min(a.V, (c + 1) * kChunk);
 
@@ -122,8 +131,8 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
       for (int j = 0; j < 4; ++j) {
         if (j < nvalid) am.Offer(static_cast<double>(xs[j]), v + j);
       }
-    } else if (bonus) {
-      OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, key, kPurposeEmit, static_cast<uint32_t>(ell + 1));
+    } else if (gumbel_row) {
+      OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, site.key, site.purpose, site.position);
     } else {
       lse.Add4(x, inv_t);
     }
@@ -171,7 +180,9 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   }
   const float tf = a.temperature[r];
   const bool greedy = tf == 0.f;
-  if (greedy && c > 0) return;  // greedy never sweeps again: block 0 decides alone
+  // greedy and coupled rows accept x_k iff it equals row k-1's (Gumbel) argmax
+  const bool by_argmax = greedy || CoupledOf(a, r);
+  if (by_argmax && c > 0) return;  // no residual sweep: block 0 decides alone
   const float inv_t = greedy ? 1.f : 1.f / tf;
   const double td = greedy ? 1.0 : static_cast<double>(tf);
   const PhiloxKey key = KeyOf(a, r);
@@ -194,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
       if (k < ell) {
         const int64_t dk = static_cast<int64_t>(r) * a.gamma + k;
         const int64_t x = a.draft_tokens[dk];
-        if (greedy) {
+        if (by_argmax) {
           ok = x == am.idx;
         } else if (x >= 0 && x < a.V) {
           const double P = exp(static_cast<double>(ToFloat(target[static_cast<int64_t>(lo + k) * a.V + x])) / td - lse_row[k]);
@@ -210,9 +221,9 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   if (threadIdx.x == 0) {
     int acc = 0;
     while (acc < ell && ok_s[acc]) ++acc;
-    const bool rejected = !greedy && acc < ell;
+    const bool rejected = !by_argmax && acc < ell;
     a_s = acc;
-    y_s = arg_s[acc];  // greedy: argmax of row acc; sampled without rejection: the bonus argmax
+    y_s = arg_s[acc];  // greedy / coupled: (Gumbel) argmax of row acc; sampled: the bonus argmax
     rejected_s = rejected;
   }
   __syncthreads();
@@ -311,6 +322,7 @@ Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
   a.seed = p.seed;
   a.stream = p.stream;
   a.round = p.round;
+  a.coupled = p.coupled;
   a.num_accepted = p.num_accepted;
   a.out_tokens = p.out_tokens;
   a.R = static_cast<int>(p.R);

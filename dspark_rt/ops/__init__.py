@@ -4,6 +4,8 @@ Each op checks its tensors once, by name (dtype, device, shape, contiguity, inde
 a backend and hands raw pointers, sizes and the current stream to the extension. Backends:
 "reference" (ops/reference.py, plain PyTorch, the ground truth), "cpp" (C++ CPU kernels) and
 "cuda". The default follows the tensors' device; DSPARK_BACKEND=reference forces the reference.
+One op/argument pair has no kernel: markov_sample with head "rnn" on CUDA tensors runs the
+reference by default (_markov_backend, the only such routing).
 """
 import os
 
@@ -59,6 +61,26 @@ def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
     return backend
 
 
+def _markov_backend(device: torch.device, backend, dtype, head):
+    """markov_sample's backend: _backend's, except that by default the rnn head on CUDA tensors
+    runs the reference. The CUDA kernel has no rnn path (its state update is a 3r x (2r + d)
+    matvec per step and request, left to the reference's GEMMs); the reference is the semantics
+    itself, on the same device, so the output does not change, only its speed (and it reads the
+    device, so CUDA graphs keep rnn drafts eager: graphs.py). An explicit backend="cuda" still
+    reaches the kernel, which refuses the rnn head."""
+    be = _backend("markov_sample", device, backend, dtype, "logits")
+    if backend is None and head == "rnn" and be == "cuda":
+        return "reference"
+    return be
+
+
+def _coupled(op, coupled, R, dev):
+    """The optional per-request coupled flags [R] (bool or uint8; None: all false)."""
+    if coupled is None:
+        return None
+    return tensor(op, "coupled", coupled, dtypes=(torch.bool, torch.uint8), shape=(R,), device=dev)
+
+
 def _float_dtypes(backend):
     if backend == "reference":
         return (*_CPU_DTYPES, torch.float16, torch.bfloat16)
@@ -76,8 +98,11 @@ def _ptr(t):
 
 def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None, gate_b=None,
                   joint_w=None, joint_b=None, conf_w=None, conf_b=None, temperature, seed,
-                  stream, round_, backend=None):
+                  stream, round_, coupled=None, backend=None):
     """Sequential drafting stage; see reference.markov_sample for the semantics.
+
+    coupled [R] bool or uint8 (None: all false): Gumbel-coupled requests, whose round_ holds the
+    number of tokens they emitted so far (DESIGN §2, coupled sampling).
 
     logits [R, gamma, V] is overwritten with the corrected logits z = U + bias (pass a clone to
     keep U). Returns (tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma]).
@@ -93,7 +118,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     R, gamma, V = logits.shape
     dev = logits.device
     fdt = logits.dtype
-    be = _backend(op, dev, backend, fdt, "logits")
+    be = _markov_backend(dev, backend, fdt, head)
     hidden = tensor(op, "hidden", hidden, dtype=fdt, ndim=3, device=dev)
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
@@ -125,10 +150,11 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
     round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
+    coupled = _coupled(op, coupled, R, dev)
     if be == "reference":
         return reference.markov_sample(logits, hidden, anchor, head, w1, w2, gate_w, gate_b,
                                        joint_w, joint_b, conf_w, conf_b, temperature, seed,
-                                       stream, round_)
+                                       stream, round_, coupled)
     out_dt = torch.float64 if fdt == torch.float64 else torch.float32
     tokens = torch.empty(R, gamma, dtype=torch.int64, device=dev)
     logprob, lse = torch.empty(R, gamma, dtype=out_dt, device=dev), torch.empty(R, gamma, dtype=out_dt, device=dev)
@@ -142,18 +168,21 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     p.w1, p.w2, p.gate_w, p.gate_b = _ptr(w1), _ptr(w2), _ptr(gate_w), _ptr(gate_b)
     p.joint_w, p.joint_b, p.conf_w, p.conf_b = _ptr(joint_w), _ptr(joint_b), _ptr(conf_w), _ptr(conf_b)
     p.temperature, p.seed, p.stream, p.round = _ptr(temperature), _ptr(seed), _ptr(stream), _ptr(round_)
+    p.coupled = _ptr(coupled)
     p.tokens, p.logprob, p.lse, p.conf_logit = _ptr(tokens), _ptr(logprob), _ptr(lse), _ptr(conf)
     _run("markov_sample", p, be, dev)
     return tokens, logprob, lse, conf
 
 
 def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, *,
-                     temperature, seed, stream, round_, backend=None):
+                     temperature, seed, stream, round_, coupled=None, backend=None):
     """Lossless acceptance; see reference.rejection_sample for the semantics.
 
     target_logits [N, V]; cu_rows [R + 1] int32 (rows past cu_rows[R] belong to no request: the
     padding of a verify batch whose lengths stayed on the device); draft_tokens [R, gamma] int64 (gamma may be 0,
     then draft_logits / draft_lse may be None); draft_logits [R, gamma, V]; draft_lse [R, gamma].
+    coupled [R] bool or uint8 (None: all false): requests accepted by the Gumbel-coupled rule,
+    whose round_ holds the number of tokens they emitted so far.
     Returns (num_accepted [R] int32, out_tokens [R, gamma + 1] int64, -1 padded).
     """
     op = "rejection_sample"
@@ -187,9 +216,10 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
     round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
+    coupled = _coupled(op, coupled, R, dev)
     if be == "reference":
         return reference.rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits,
-                                          draft_lse, temperature, seed, stream, round_)
+                                          draft_lse, temperature, seed, stream, round_, coupled)
     num_acc = torch.zeros(R, dtype=torch.int32, device=dev)
     out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
     p = _C.RejectionSampleParams()
@@ -200,6 +230,7 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     p.draft_logits = _ptr(draft_logits) if gamma else 0
     p.draft_lse = _ptr(draft_lse) if gamma else 0
     p.temperature, p.seed, p.stream, p.round = _ptr(temperature), _ptr(seed), _ptr(stream), _ptr(round_)
+    p.coupled = _ptr(coupled)
     p.num_accepted, p.out_tokens = _ptr(num_acc), _ptr(out)
     _run("rejection_sample", p, be, dev)
     return num_acc, out

@@ -25,14 +25,14 @@ def _first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, gate_b=None,
                   joint_w=None, joint_b=None, conf_w=None, conf_b=None,
-                  temperature=None, seed=None, stream=None, round_=None):
+                  temperature=None, seed=None, stream=None, round_=None, coupled=None):
     """Sequential drafting stage for R requests (DESIGN §2 steps 2-3).
 
     logits [R, gamma, V] base logits U (float32/float64; overwritten with z = U + bias);
     hidden [R, gamma, d]; anchor [R] int64 x0; head in HEADS; w1, w2 [V, r]; gate_w [r, d + r],
     gate_b [r]; joint_w [3r, 2r + d], joint_b [3r]; conf_w [d] or [d + r], conf_b [1] (None: no
     confidence head); temperature [R] float32 (0 = greedy); seed [R] int64 (uint64 bits);
-    stream, round_ [R] int64.
+    stream, round_ [R] int64; coupled [R] bool or uint8 (None: all false).
     For k = 1..gamma, with x_{k-1} the previous token (x0 for k = 1):
         e = w1[x_{k-1}]
         vanilla: bias = w2 @ e
@@ -40,7 +40,9 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
         rnn:     a = joint_w @ [s; e; h_k] + joint_b split (gate, cand, out) in r-sized thirds;
                  s <- sigmoid(gate) * s + (1 - sigmoid(gate)) * tanh(cand); bias = w2 @ tanh(out)
         z_k = U_k + bias; greedy: x_k = argmax z_k; else x_k = argmax(z_k / T + gumbel) with the
-        gumbel of (seed, stream, round, purpose draft, position k, index v).
+        gumbel of (seed, stream, round, purpose draft, position k, index v); for a coupled
+        request (round_ = n0, tokens emitted so far) the gumbel of output index n0 + k:
+        (seed, stream, round n0 + k, purpose coupled, position 0, index v) (philox.site).
         lse_k = logsumexp(z_k / T) (T = 1 when greedy), logprob_k = z_k[x_k] / T - lse_k,
         conf_k = conf_w . ([h_k; e] if conf_w has d + r entries else h_k) + conf_b.
     Returns tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma] (float64 iff logits are).
@@ -61,6 +63,7 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
     state = torch.zeros(R, rank, dtype=logits.dtype, device=dev)
     prev = anchor.to(torch.int64)
     vocab = torch.arange(V, device=dev)
+    coupled = _coupled(coupled, R, dev)
     for k in range(gamma):
         h = hidden[:, k]
         e = w1[prev] if w1 is not None else None
@@ -83,8 +86,9 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
             logits[:, k] += bias
         z = logits[:, k]
         zt = z.to(torch.float64) / Tsafe[:, None]
-        g = philox.gumbel(seed[:, None], stream[:, None], round_[:, None], philox.PURPOSE_DRAFT,
-                          k + 1, vocab[None, :])
+        rnd, purpose, pos = philox.site(round_, coupled, philox.PURPOSE_DRAFT, k + 1)
+        g = philox.gumbel(seed[:, None], stream[:, None], rnd[:, None], purpose[:, None],
+                          pos[:, None], vocab[None, :])
         score = torch.where(greedy[:, None], z.to(torch.float64), zt + g)
         x = _first_argmax(score)
         l = torch.logsumexp(zt, dim=-1)
@@ -98,8 +102,15 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
     return tokens, logprob, lse, conf
 
 
+def _coupled(coupled, R, dev) -> torch.Tensor:
+    """coupled [R] (bool / uint8, None = all false) as a bool tensor."""
+    if coupled is None:
+        return torch.zeros(R, dtype=torch.bool, device=dev)
+    return coupled.to(torch.bool)
+
+
 def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse,
-                     temperature, seed, stream, round_):
+                     temperature, seed, stream, round_, coupled=None):
     """Lossless acceptance for a batch (DESIGN §2 step 6).
 
     target_logits [N, V]; request r owns rows cu_rows[r] .. cu_rows[r+1]-1 (int32 [R+1]), one per
@@ -112,6 +123,10 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     u_k * q_k(x_k) < P_{k-1}(x_k), u_k = uniform(purpose accept, position k, index 0); at the
     first rejection j emit y = argmax(log max(0, P_{j-1} - q_j) + gumbel(emit, position j, v));
     if all l are accepted emit y = argmax(row_l / T + gumbel(emit, position l + 1, v)).
+    Coupled rows (coupled [R] bool / uint8, None = all false; round_ = n0, tokens emitted so
+    far), sampled: y_k = argmax(row_{k-1} / T + g_{n0+k}) with g_n the coupled gumbel of output
+    index n (philox.site); accept x_k iff x_k == y_k, emit y at the first disagreement, else
+    y_{l+1}. The emitted tokens are those of seeded plain decoding, whatever l (DESIGN §2).
     Returns num_accepted [R] int32 and out_tokens [R, gamma + 1] int64 (x_1..x_a, y, then -1).
     """
     R = cu_rows.shape[0] - 1
@@ -121,6 +136,7 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     num_acc = torch.zeros(R, dtype=torch.int32, device=dev)
     out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
     vocab = torch.arange(V, device=dev)
+    coupled = _coupled(coupled, R, dev)
     for r in range(R):
         lo, hi = int(cu_rows[r]), int(cu_rows[r + 1])
         rows = target_logits[lo:hi].to(torch.float64)
@@ -132,6 +148,14 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
             while a < ell and int(draft_tokens[r, a]) == int(_first_argmax(rows[a])):
                 a += 1
             y = int(_first_argmax(rows[a]))
+        elif bool(coupled[r]):
+            while True:
+                rnd, purpose, pos = philox.site(round_[r], True, 0, a + 1)
+                y = int(_first_argmax(rows[a] / T + philox.gumbel(seed[r], stream[r], rnd, purpose,
+                                                                  pos, vocab)))
+                if a == ell or int(draft_tokens[r, a]) != y:
+                    break
+                a += 1
         else:
             P = torch.softmax(rows / T, dim=-1)
             while a < ell:
