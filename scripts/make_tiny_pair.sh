@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Rebuilds the tiny model pair shipped in dspark_rt/pretrained/: a Qwen3 target, a DSpark drafter
-# (vanilla Markov head + confidence head, gamma 7) and a DFlash drafter with the same backbone,
-# plus the DSpark confidence head's STS calibration. About an hour on 2 CPU cores.
+# Rebuilds the tiny model pair shipped in dspark_rt/pretrained/: a Qwen3 target, three DSpark
+# drafters (vanilla Markov, gated Markov and RNN sequential heads, each with a confidence head,
+# gamma 7) and a DFlash drafter with the same backbone, plus each DSpark confidence head's STS
+# calibration. About 1.5 hours on 2 CPU cores.
 #
 # Data: the Python standard library of the interpreter that runs this (*.py files; test suites,
 # site-packages, encodings, pydoc_data and files over 200 kB skipped; 6 MB of training text,
@@ -47,18 +48,30 @@ D=(--target "$W/target" --data "$W/regen.pt" --gamma 7 --layers 1 --anchors 32 -
    --batch 8 --lr 3e-3 --warmup 20 --save-every 50 --seed 0 "${T[@]}" "${R[@]}")
 stage dspark drafter --out "$W/dspark" --head vanilla --rank 128 "${D[@]}"
 stage dflash drafter --out "$W/dflash" --head none "${D[@]}"
+# the other two sequential heads (DESIGN section 2): gated Markov (g = sigmoid(gate_proj [h_k; e]),
+# bias = W2 (g * e)) and RNN (joint_proj [s; e; h_k] -> gate, candidate, output thirds), each
+# trained alone (with its confidence head) on the frozen backbone of the DFlash drafter above,
+# same data, steps, schedule and seed
+for h in gated rnn; do
+    stage "dspark_$h" drafter --out "$W/dspark_$h" --head "$h" --rank 128 \
+        --upgrade-dflash "$W/dflash" "${D[@]}"
+done
 # STS temperatures of the DSpark confidence head on held-out stdlib windows (not the eval sets)
 have "$W/calib_prompts.jsonl" ||
     stage prompts prompts --out "$W/calib_prompts.jsonl" --num 48 --chars 600 --seed 0
-t0=$SECONDS
-$PY -m dspark_rt calibrate --target "$W/target" --drafter "$W/dspark" \
-    --prompts "$W/calib_prompts.jsonl" --max-tokens 64 --out "$W/dspark/dspark_calibration.json"
-echo "calibrate $((SECONDS - t0)) s" | tee -a "$W/timings.txt"
+for d in dspark dspark_gated dspark_rnn; do
+    t0=$SECONDS
+    $PY -m dspark_rt calibrate --target "$W/target" --drafter "$W/$d" \
+        --prompts "$W/calib_prompts.jsonl" --max-tokens 64 --out "$W/$d/dspark_calibration.json"
+    echo "calibrate $d $((SECONDS - t0)) s" | tee -a "$W/timings.txt"
+done
 
-mkdir -p "$DEST/target" "$DEST/dspark" "$DEST/dflash"
+mkdir -p "$DEST/target" "$DEST/dspark" "$DEST/dspark_gated" "$DEST/dspark_rnn" "$DEST/dflash"
 cp "$W/target/"{config.json,model.safetensors,tokenizer.json,tokenizer_config.json} \
     "$W/target/chat_template.jinja" "$DEST/target/"
-cp "$W/dspark/"{config.json,model.safetensors,dspark_calibration.json} "$DEST/dspark/"
+for d in dspark dspark_gated dspark_rnn; do
+    cp "$W/$d/"{config.json,model.safetensors,dspark_calibration.json} "$DEST/$d/"
+done
 cp "$W/dflash/"{config.json,model.safetensors} "$DEST/dflash/"
 chmod 644 "$DEST"/*/*
 du -sh "$DEST"
