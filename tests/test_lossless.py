@@ -55,19 +55,20 @@ THRESHOLD = 0.7  # uncalibrated confidences: cuts about a third of the drafts on
 # pair: SPS(B) = B^-1/2, so a draft pays while its survival exceeds about tau / 2B.
 SPS = SPSProfile([2 ** i for i in range(12)], [2 ** (-i / 2) for i in range(12)])
 # Floors on (mean acceptance length tau, share of rounds accepting all gamma = 7 drafts): 0.85 x
-# tau and 0.5 x the share measured on PROMPTS at batch 8 in float32 (measured tau / share:
+# tau and 0.5 x the share measured on PROMPTS at batch 8 in float32 (2026-12-01; tau / share:
 # dflash 3.16 / 0.034; vanilla fixed 5.30 / 0.465, threshold 4.88 / 0.364, sync 3.58 / 0.048,
-# async 4.59 / 0.305).
+# async 4.59 / 0.305; gated fixed 5.15 / 0.425, threshold 4.37 / 0.349; rnn fixed 5.53 / 0.485,
+# async 5.08 / 0.297).
 FLOORS = {
     ("none", "fixed"): (2.7, 0.017),
     ("vanilla", "fixed"): (4.5, 0.23),
     ("vanilla", "threshold"): (4.15, 0.18),
     ("vanilla", "sync"): (3.05, 0.024),
     ("vanilla", "async"): (3.9, 0.15),
-    ("gated", "fixed"): (4.5, 0.23),
-    ("gated", "sync"): (3.05, 0.024),
-    ("rnn", "fixed"): (4.5, 0.23),
-    ("rnn", "async"): (3.9, 0.15),
+    ("gated", "fixed"): (4.4, 0.21),
+    ("gated", "threshold"): (3.7, 0.17),
+    ("rnn", "fixed"): (4.7, 0.24),
+    ("rnn", "async"): (4.3, 0.15),
 }
 
 
@@ -134,7 +135,7 @@ def _acceptance(outs):
 
 
 CASES = [(h, p, dt, b) for (h, p) in FLOORS for dt in ("float64", "float32") for b in (1, 8)
-         if b == 8 or (h, p) in {("vanilla", "fixed"), ("vanilla", "sync"), ("none", "fixed")}]
+         if b == 8 or (h, p) in {("vanilla", "fixed"), ("vanilla", "threshold"), ("none", "fixed")}]
 
 
 @pytest.mark.parametrize("head,policy,dtype,batch", CASES,
