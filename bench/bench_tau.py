@@ -24,7 +24,7 @@ from dspark_rt import Decoder, SamplingParams, SpecMetrics  # noqa: E402
 from dspark_rt.prompts import fit_length, load_prompts  # noqa: E402
 
 PRETRAINED = ROOT / "dspark_rt" / "pretrained"
-EVAL = Path("/work/shared/data/eval")
+EVAL = ROOT.parent / "shared" / "data" / "eval"  # the prompt sets beside the checkout
 
 
 def run(target, drafter, mode, prompts, params, batch):

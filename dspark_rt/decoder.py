@@ -270,7 +270,8 @@ class Decoder:
             lp = None
             if r.params.logprobs:
                 rows = torch.log_softmax(logits[row_starts[i] : row_starts[i] + a + 1].double(), dim=-1)
-                lp = rows.gather(1, torch.tensor(toks, device=rows.device)[:, None])[:, 0].tolist()
+                picked = rows.gather(1, torch.tensor(toks, device=rows.device)[:, None])[:, 0]
+                lp = self.runner.to_host(picked).tolist()
             if lengths is not None and self.runner.gamma:
                 r.metrics.record(lengths[i], a)
             self._commit(r, toks, lp)
@@ -281,12 +282,12 @@ class Decoder:
             committed.append(a + 1)
         return committed
 
-    @staticmethod
-    def _log_entry(reqs, res) -> dict:
+    def _log_entry(self, reqs, res) -> dict:
         return {"request_ids": [r.request_id for r in reqs],
                 "lengths": list(res.lengths),
                 "accepted": list(res.num_accepted),
-                "conf_logit": None if res.conf_logit is None else res.conf_logit.float().cpu()}
+                "conf_logit": None if res.conf_logit is None
+                else self.runner.to_host(res.conf_logit.float())}
 
     @staticmethod
     def _tau(reqs) -> float:

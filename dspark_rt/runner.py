@@ -34,6 +34,14 @@ def _filters(p) -> bool:
     return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
 
 
+def _raw_copy(reqs, logits: torch.Tensor) -> torch.Tensor:
+    """The logits as the model gave them when a request wants logprobs and filtering will change
+    them in place (logprobs are the target's raw log-probabilities); else the same tensor."""
+    if any(r.params.logprobs and _filters(r.params) for r in reqs):
+        return logits.clone()
+    return logits
+
+
 @dataclass
 class RoundResult:
     """What one round produced. The per-request results come to the host in one copy; logits and
@@ -42,7 +50,8 @@ class RoundResult:
     out_tokens: list[list[int]]  # per request: x_1 .. x_a, y (emitted tokens)
     failed: list[bool]          # NaN or +inf in one of the request's target rows
     lengths: list[int]          # verified drafts per request
-    logits: torch.Tensor        # [N, V] target logits of the verify forward (device)
+    logits: torch.Tensor        # [N, V] target logits of the verify forward, before top-k/top-p
+                                # filtering (device; logprobs read them)
     cu_rows: list[int]          # [R + 1] rows of each request in logits / features
     features: torch.Tensor | None  # [N, m * d] target features for the drafter context
     conf_logit: torch.Tensor | None  # [R, gamma] raw confidence logits (dspark with a head)
@@ -71,7 +80,7 @@ class Runner:
         # Set to a dict to accumulate seconds per round phase (benchmarks); costs one device
         # sync per phase when set, nothing when None.
         self.phase_times: dict[str, float] | None = None
-        # Device-to-host reads, all through _to_host: a decode round costs one (the emitted
+        # Device-to-host reads, all through to_host: a decode round costs one (the emitted
         # tokens), two when the policy reads confidences; benchmarks report the count.
         self.host_reads = 0
         self.rounds = self.round_host_reads = 0  # rounds run, and host reads inside them
@@ -144,8 +153,9 @@ class Runner:
                                    "the request scheduler reserved")
             pages.extend(alloc.allocate(missing))
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """The runner's only device-to-host read (a synchronisation on a GPU)."""
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """The one device-to-host read of the runtime (a synchronisation on a GPU): the runner's
+        own, and the Decoder's (logprobs, the round log), all counted in host_reads."""
         self.host_reads += 1
         return t.cpu()
 
@@ -310,9 +320,9 @@ class Runner:
         bad = torch.zeros(R, dtype=torch.int64, device=logits.device).index_add_(0, owner, bad_rows.long())
         cols = [acc.long()[:, None], bad[:, None], out] + [e.reshape(R, -1) for e in extra]
         if extra:  # one float64 copy: ids and lengths are exact in it, survivals are float32
-            host = self._to_host(torch.cat([c.double() for c in cols], 1))
+            host = self.to_host(torch.cat([c.double() for c in cols], 1))
         else:
-            host = self._to_host(torch.cat(cols, 1))
+            host = self.to_host(torch.cat(cols, 1))
         ints = host[:, : 2 + g1].long().tolist()
         acc_h = [row[0] for row in ints]
         toks = [row[2 : 3 + a] for row, a in zip(ints, acc_h)]
@@ -345,15 +355,16 @@ class Runner:
         return meta, pos, ids, torch.where(valid, req, -1)
 
     def sample_first(self, reqs: list[Request], logits: torch.Tensor):
-        """The token after the prompt: a round with no drafts (round 0). Returns (filtered logits,
-        emitted tokens per request, failed per request)."""
+        """The token after the prompt: a round with no drafts (round 0). Returns (target logits
+        before filtering, emitted tokens per request, failed per request)."""
         R = len(reqs)
         cu = list(range(R + 1))
+        raw = _raw_copy(reqs, logits)
         logits = self._filter(reqs, logits, cu)
         acc, out = ops.rejection_sample(logits, self._upload(cu, torch.int32), None, None, None,
                                         **self._rng(reqs))
         _, toks, failed, _ = self._results(acc, out, logits, cu)
-        return logits, toks, failed
+        return raw, toks, failed
 
     def _admits_on_device(self, reqs) -> bool:
         """The policy admits drafts on the device (async) and no request filters its rows (the
@@ -387,7 +398,7 @@ class Runner:
                 on_device = (dev_lengths, survival, K, source, cap)
             else:
                 if self.mode == "dspark" and self.policy.needs_confidence:
-                    c_hat, survival = self.calibration.apply(self._to_host(conf))
+                    c_hat, survival = self.calibration.apply(self.to_host(conf))
                 else:
                     c_hat = survival = None
                 lengths = self.policy.lengths(c_hat, survival, cap, gamma) if self.mode == "dspark" \
@@ -418,7 +429,9 @@ class Runner:
         else:
             logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture)
         logits = logits.to(self.logits_dtype)
+        raw = logits
         if on_device is None:
+            raw = _raw_copy(reqs, logits)
             logits = self._filter(reqs, logits, cu)
         t0 = self._phase("verify_forward", t0)
         acc, out = ops.rejection_sample(logits, meta.cu_q, tokens, z, lse, **rng)
@@ -440,7 +453,7 @@ class Runner:
         has_conf = self.mode == "dspark" and self.drafter.conf_w is not None
         self.rounds += 1
         self.round_host_reads += self.host_reads - reads0
-        return RoundResult(acc, out, failed, lengths, logits, cu, feats, conf if has_conf else None)
+        return RoundResult(acc, out, failed, lengths, raw, cu, feats, conf if has_conf else None)
 
     def commit_context(self, reqs, starts, counts, feats, row_starts):
         """After commit: drafter context for the anchor and accepted drafts of each request."""

@@ -7,9 +7,12 @@ _U64 = 1 << 64
 @dataclass
 class SamplingParams:
     """temperature 0 is greedy. top_k <= 0 and top_p = 1 disable those filters. seed: a request
-    with its own seed draws the same tokens wherever it sits in a batch. stop: strings that end
-    the output (not included in it); stop_token_ids end it after that token. logprobs=True
-    returns the target's log-probability (raw logits, before temperature) of every emitted token.
+    with its own seed draws the same tokens on every backend and, under the ar / dflash / fixed /
+    threshold policies, wherever it sits in a batch; under sync and async the batch moves the
+    verify lengths and so the round boundaries the noise is keyed by (coupled=True removes that
+    dependence). stop: strings that end the output (not included in it); stop_token_ids end it
+    after that token. logprobs=True returns the target's raw log-probability of every emitted
+    token: log_softmax of its logits before temperature and before top-k / top-p (vLLM's default).
     coupled: Gumbel-coupled acceptance: a seeded request emits exactly what seeded plain decoding
     emits, whatever the batch, policy or drafter; costs acceptance: P(x = y) >= (1 - TV)/(1 + TV)
     instead of 1 - TV (DESIGN §2, coupled sampling; greedy requests are unaffected).

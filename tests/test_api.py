@@ -131,11 +131,14 @@ def test_stop_strings_truncate_text(dec):
     assert stop not in out.text and text.startswith(out.text)
 
 
-def test_logprobs_are_target_logprobs(tiny_target, tiny_drafters):
-    """Reported log-probs equal log_softmax of the target's logits at each emitted token."""
+@pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.5}, {"top_k": 2, "top_p": 0.9}])
+def test_logprobs_are_target_logprobs(tiny_target, tiny_drafters, filters):
+    """Reported log-probs equal log_softmax of the target's raw logits at each emitted token:
+    before temperature and before top-k / top-p (filtered log-probs would be larger)."""
     dec = Decoder.from_pretrained(tiny_target, tiny_drafters("vanilla", 4), mode="dspark",
                                   dtype="float64")
-    p = SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
+    p = SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True, logprobs=True,
+                       **filters)
     out = dec.generate([[9, 8, 7]], p, use_tqdm=False)[0]
     assert len(out.logprobs) == len(out.token_ids)
     seq = [9, 8, 7] + out.token_ids
