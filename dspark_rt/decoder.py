@@ -263,15 +263,12 @@ class Decoder:
         """Commits each request's emitted tokens (x_1 .. x_a, y; its target logits start at row
         row_starts[i]); returns how many positions each committed into the KV cache (anchor +
         accepted drafts)."""
+        logprobs = self._logprobs(reqs, tokens, logits, row_starts)
         committed = []
         for i, r in enumerate(reqs):
             toks = tokens[i]
             a = len(toks) - 1
-            lp = None
-            if r.params.logprobs:
-                rows = torch.log_softmax(logits[row_starts[i] : row_starts[i] + a + 1].double(), dim=-1)
-                picked = rows.gather(1, torch.tensor(toks, device=rows.device)[:, None])[:, 0]
-                lp = self.runner.to_host(picked).tolist()
+            lp = logprobs.get(i)
             if lengths is not None and self.runner.gamma:
                 r.metrics.record(lengths[i], a)
             self._commit(r, toks, lp)
@@ -281,6 +278,24 @@ class Decoder:
             r.round += 1
             committed.append(a + 1)
         return committed
+
+    def _logprobs(self, reqs, tokens, logits, row_starts) -> dict[int, list[float]]:
+        """Raw target log-probabilities of the emitted tokens of the requests that asked, in one
+        device read for the whole round: {index in reqs: [logprob per emitted token]}."""
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs]
+        if not want:
+            return {}
+        rows = [row_starts[i] + k for i in want for k in range(len(tokens[i]))]
+        ids = [t for i in want for t in tokens[i]]
+        dev = logits.device
+        picked = torch.log_softmax(logits[torch.tensor(rows, device=dev)].double(), dim=-1)
+        picked = picked.gather(1, torch.tensor(ids, device=dev)[:, None])[:, 0]
+        flat = self.runner.to_host(picked).tolist()
+        out, o = {}, 0
+        for i in want:
+            out[i] = flat[o : o + len(tokens[i])]
+            o += len(tokens[i])
+        return out
 
     def _log_entry(self, reqs, res) -> dict:
         return {"request_ids": [r.request_id for r in reqs],

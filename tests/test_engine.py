@@ -185,6 +185,58 @@ def test_host_reads_per_round(pair, mode, policy, reads):
     assert r.rounds > 3 and r.round_host_reads == reads * r.rounds
 
 
+def _reads_per_step(dec, logprobs: bool, log_rounds: bool) -> tuple[int, int]:
+    """(device reads, engine steps) of 8 requests driven through an Engine step by step."""
+    dec.round_log = [] if log_rounds else None
+    eng = Engine(dec, EngineConfig(num_pages=64, max_num_seqs=8))
+    for i in range(8):
+        eng.add_request([1 + i, 2, 3], SamplingParams(max_tokens=10, logprobs=logprobs, **GREEDY))
+    r0, steps = dec.runner.host_reads, 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    return dec.runner.host_reads - r0, steps
+
+
+def test_decoder_reads_go_through_the_counted_door(pair):
+    """The Decoder's own reads (logprobs, the round log) are counted with the runner's: each adds
+    one read per step whatever the batch, never one per request."""
+    dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", policy="fixed")
+    base, steps = _reads_per_step(dec, False, False)
+    with_lp, steps_lp = _reads_per_step(dec, True, False)
+    with_log, steps_log = _reads_per_step(dec, False, True)
+    assert steps == steps_lp == steps_log
+    assert with_lp - base == steps, (base, with_lp, steps)
+    assert 0 < with_log - base < steps, (base, with_log, steps)  # decode rounds only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,policy", [("ar", "fixed"), ("dspark", "fixed"), ("dspark", "async"),
+                                         ("dspark", "sync")])
+def test_cuda_syncs_are_the_counted_reads(pair, mode, policy):
+    """On a GPU, PyTorch's sync debug mode sees every synchronising call: after warm-up, a
+    decoding step synchronises no more often than the runner counted device reads."""
+    import warnings
+    from dspark_rt.sps import SPSProfile
+    sps = SPSProfile.from_pairs({B: 1000.0 / (1.0 + B / 4.0) for B in range(1, 65)})
+    dec = Decoder.from_pretrained(pair[0], None if mode == "ar" else pair[1], mode=mode,
+                                  policy=policy, device="cuda", dtype="float32",
+                                  **({"sps": sps} if policy in ("sync", "async") else {}))
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    dec.generate([[1, 2], [3, 4, 5]], params, use_tqdm=False)  # warm-up: graphs, allocator
+    r0 = dec.runner.host_reads
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dec.generate([[1, 2], [3, 4, 5], [6]], params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    reads = dec.runner.host_reads - r0
+    assert reads > 0 and syncs <= reads, (syncs, reads)
+
+
 def test_generate_and_streams_share_one_engine(pair):
     """Two open streams and a generate call step the same Engine: no one loses tokens, each
     output equals its request run alone, and a stream closed early gives its pages back."""
