@@ -33,7 +33,12 @@ def main(argv=None):
         env_main(args.json)
     elif args.cmd == "demo":
         from .demo import main as demo_main
-        demo_main(args.out, quick=args.quick, as_json=args.json, device=args.device)
+        summary = demo_main(args.out, quick=args.quick, as_json=args.json, device=args.device)
+        wrong = [m for m, r in (summary or {}).get("modes", {}).items() if not r["equals_ar"]]
+        if wrong:  # greedy speculative output must equal plain decoding: a failed promise
+            print(f"dspark-rt demo: FAILED: {', '.join(wrong)} output differs from plain decoding",
+                  file=sys.stderr)
+            return 1
     return 0
 
 

@@ -248,3 +248,12 @@ def test_demo_quick_runs_the_shipped_pair(tmp_path):
     assert res["modes"]["dspark"]["mean_acceptance_length"] > 1.0
     assert (tmp_path / "acceptance_by_position.png").is_file()
     assert (tmp_path / "results.json").is_file()
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_demo_cli_fails_when_a_mode_differs_from_plain_decoding(monkeypatch, tmp_path, equal):
+    """`dspark-rt demo` exits 1 naming the mode whose greedy output is not plain decoding's."""
+    from dspark_rt import __main__ as cli, demo
+    modes = {"ar": {"equals_ar": True}, "dspark": {"equals_ar": equal}}
+    monkeypatch.setattr(demo, "main", lambda *a, **k: {"modes": modes})
+    assert cli.main(["demo", "--out", str(tmp_path)]) == (0 if equal else 1)
