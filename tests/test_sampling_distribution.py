@@ -12,8 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from dspark_rt import Decoder, SamplingParams, ops, testing
-from dspark_rt.ops import philox, reference
 from tests.helpers import full_forward_logits
+from tests.lossless_harness import emit_from_p
 
 V, N, T, PROMPT = 8, 3000, 0.9, [1, 2, 3]
 
@@ -87,27 +87,9 @@ def test_output_follows_target(small_pair, exact, head):
     assert min(p.values()) > 1e-3, p
 
 
-def _broken_rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw):
-    """Wrong on purpose: after a rejection it emits from P instead of the residual max(0, P - q),
-    which double-counts the draft's mass where q < P. Acceptance itself is the real op's."""
-    acc, out = _real_rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits,
-                                      draft_lse, **kw)
-    ell = (cu_rows[1:] - cu_rows[:-1] - 1).long()
-    rej = torch.nonzero(acc.long() < ell)[:, 0]
-    if len(rej):
-        a = acc.long()[rej]
-        rows = target_logits[cu_rows.long()[rej] + a].double() / kw["temperature"][rej, None].double()
-        g = philox.gumbel(kw["seed"][rej, None], kw["stream"][rej, None], kw["round_"][rej, None],
-                          philox.PURPOSE_EMIT, (a + 1)[:, None], torch.arange(rows.shape[1])[None])
-        out[rej, a] = reference._first_argmax(rows + g)
-    return acc, out
-
-
-_real_rejection_sample = ops.rejection_sample
-
-
 def test_broken_acceptance_fails(small_pair, exact, monkeypatch):
-    monkeypatch.setattr(ops, "rejection_sample", _broken_rejection_sample)
+    # emits from P instead of the residual max(0, P - q) after a rejection (acceptance is the real op's)
+    monkeypatch.setattr(ops, "rejection_sample", emit_from_p)
     toks, _, _ = _sample(small_pair[0], small_pair[1]["vanilla"], "vanilla")
     p = _pvalues(toks, exact)
     print("broken acceptance p-values", p)
