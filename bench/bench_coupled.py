@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from dspark_rt import Decoder, SamplingParams, SpecMetrics  # noqa: E402
-from dspark_rt.prompts import read_turns  # noqa: E402
+from dspark_rt import Decoder, SamplingParams, SpecMetrics
+from dspark_rt.tools.prompts import read_turns
 
 PRETRAINED = ROOT / "dspark_rt" / "pretrained"
 EVAL = ROOT.parent / "shared" / "data" / "eval"  # the project's shared data, beside the repo
@@ -31,11 +30,10 @@ EVAL = ROOT.parent / "shared" / "data" / "eval"  # the project's shared data, be
 def run(dec, prompts, temperature, coupled, max_tokens, batch):
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                              ignore_eos=True, coupled=coupled) for i in range(len(prompts))]
-    m, t0 = SpecMetrics(dec.runner.gamma), time.perf_counter()
+    outs, t0 = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        for o in dec.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False):
-            m.merge(o.metrics)
-    return m, time.perf_counter() - t0
+        outs += dec.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
+    return SpecMetrics.merged(o.metrics for o in outs), time.perf_counter() - t0
 
 
 def main(argv=None):

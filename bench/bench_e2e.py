@@ -1,14 +1,15 @@
 """End-to-end decoding: ar vs dflash vs dspark (fixed / sync / async) against batch size.
 
 Per mode and batch size: tokens/s, per-user tokens/s, tau (tokens per round, bonus included),
-mean verify length, device-to-host reads per round, and the per-round time split (draft forward,
-sequential head, scheduling, verify forward, acceptance, drafter context update, the rest =
-engine scheduling, commit and bookkeeping). JSON with --json; a plot of throughput against
+mean verify length, device-to-host reads per round, and the per-round time split of the Round's
+steps (draft: block forward, LM head and sequential head; scheduling; verify forward;
+acceptance; drafter context update; the rest = engine scheduling, commit and bookkeeping;
+dspark_rt.testing.phases). JSON with --json; a plot of throughput against
 per-user speed with --plot.
 
 Models: --model shipped (the tiny trained pair, real acceptance; the CPU default) or a
 random-weight pair of real shapes (--model qwen3-8b on a GPU; --model tiny checks the path on a
-CPU), which needs --accept-prob: BENCHMARK-ONLY synthetic acceptance (dspark_rt.synthetic), one
+CPU), which needs --accept-prob: BENCHMARK-ONLY synthetic acceptance (dspark_rt.testing.synthetic), one
 conditional acceptance probability per draft position (a single value is used for all).
 
     python bench/bench_e2e.py [--batch 1 4 16] [--max-tokens 48] [--json out.json] [--plot out.png]
@@ -24,17 +25,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dspark_rt import Decoder, SamplingParams, synthetic  # noqa: E402
-from timing import header as device_header  # noqa: E402
+from dspark_rt import Decoder, SamplingParams
+from dspark_rt.testing import phases as phase_timer, synthetic
+from dspark_rt.testing.bench import header as device_header
 
 PAIR = Path(__file__).resolve().parents[1] / "dspark_rt" / "pretrained"
 PROMPTS = ["def merge_sort(xs):\n", "import json\n\ndef load(path):\n", "class Queue:\n    def __init__(self):\n",
            "for i in range(10):\n", "def parse_args(argv):\n", "with open(path) as f:\n",
            "try:\n    import numpy\n", "def fib(n):\n    if n < 2:\n"]
 MODES = [("ar", "fixed"), ("dflash", "fixed"), ("dspark", "fixed"), ("dspark", "sync"), ("dspark", "async")]
-PHASES = ("draft_forward", "sequential_head", "schedule", "verify_forward", "accept", "context_update", "other")
+PHASES = ("draft", "schedule", "verify_forward", "accept", "context_update", "other")
 
 
 class Models:
@@ -45,7 +45,7 @@ class Models:
         self.random = args.model != "shipped"
         self._pair, self._sps = None, None
         if self.random:
-            from random_models import random_pair
+            from dspark_rt.testing.random_models import random_pair
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
             self._pair = random_pair(args.model, dtype=dtype, device=self.device)
 
@@ -83,13 +83,13 @@ class Models:
         """One SPS(B) for both sync and async (a round's cost does not depend on acceptance),
         covering the largest batch of the run: measured, or the cached one for this machine."""
         if self._sps is None:
-            from dspark_rt.profiling import load_or_profile
+            from dspark_rt.runner.profiling import load_or_profile
             if self.random:
                 target, drafter = self._pair
                 probe = Decoder(target, drafter, None, mode="dspark", device=self.device)
             else:
                 probe = Decoder.from_pretrained(PAIR / "target", PAIR / "dspark", device=self.device)
-            self._sps = load_or_profile(probe, seconds=self.args.profile_seconds,
+            self._sps = load_or_profile(probe.runner, seconds=self.args.profile_seconds,
                                         max_batch=max(self.args.batch),
                                         context_len=self.args.prompt_len if self.random else None,
                                         progress=False)
@@ -112,8 +112,8 @@ def count_cuda_syncs(dec, prompts, max_tokens) -> float | None:
     generate call (prefill and engine bookkeeping included)."""
     if dec.device.type != "cuda":
         return None
-    r = dec.runner
-    rounds0 = r.rounds
+    e = dec.engine
+    rounds0 = e.num_rounds
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -121,7 +121,7 @@ def count_cuda_syncs(dec, prompts, max_tokens) -> float | None:
             _generate(dec, prompts, max_tokens)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    n = r.rounds - rounds0
+    n = e.num_rounds - rounds0
     syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
     return syncs / n if n else None
 
@@ -132,27 +132,27 @@ def run(models, mode, policy, batch, max_tokens):
     # warm-up: the same run once, so that kernels load and every CUDA graph bucket the timed
     # run replays is captured before the clock starts
     _generate(dec, prompts, max_tokens)
-    r = dec.runner
+    r, e = dec.runner, dec.engine
     on_gpu = models.device.type == "cuda"
     # The phase split costs a device sync per phase on a GPU: there it gets a separate, shorter
     # pass; on the CPU timing the phases costs nothing and the timed run records them.
-    r.phase_times = None if on_gpu else {}
+    times = {} if on_gpu else phase_timer.install(dec)
     _sync(models.device)
-    reads0, rounds0 = r.round_host_reads, r.rounds
+    reads0, rounds0 = e.round_host_reads, e.num_rounds
     t0 = time.perf_counter()
     outs = _generate(dec, prompts, max_tokens)
     _sync(models.device)
     secs = split_secs = time.perf_counter() - t0
-    rounds = r.rounds - rounds0
-    reads = (r.round_host_reads - reads0) / rounds if rounds else 0.0
+    rounds = e.num_rounds - rounds0
+    reads = (e.round_host_reads - reads0) / rounds if rounds else 0.0
     if on_gpu:
-        r.phase_times = {}
+        times = phase_timer.install(dec)
         t1 = time.perf_counter()
         _generate(dec, prompts, max(8, max_tokens // 4))
         _sync(models.device)
         split_secs = time.perf_counter() - t1
-    phases = dict(r.phase_times)
-    r.phase_times = None
+    phase_timer.uninstall(dec)
+    phases = dict(times)
     phases["other"] = max(0.0, split_secs - sum(phases.values()))
     syncs = count_cuda_syncs(dec, prompts[: min(batch, 4)], 16)
     tokens = sum(len(o.token_ids) for o in outs)
@@ -234,7 +234,7 @@ def main(argv=None):
     print(f"model: {label}; prompts {'random ' + str(args.prompt_len) + ' tokens' if models.random else 'code'}"
           f", {args.max_tokens} new tokens each, greedy")
     print(f"{'mode':14} {'batch':>5} {'tok/s':>9} {'user tok/s':>10} {'tau':>5} {'verify':>6} {'reads':>5}  "
-          "phase shares (draft, head, sched, verify, accept, ctx, other)")
+          "phase shares (draft, sched, verify, accept, ctx, other)")
     rows = []
     for mp in args.modes:
         mode, policy = mp.split("/")

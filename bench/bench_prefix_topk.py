@@ -8,9 +8,9 @@ lengths written; the floor is far below launch overhead.
 """
 import torch
 
-from timing import Report, backend_for, compiled_us, median_us, parse_args  # puts the repo on sys.path
+from dspark_rt.testing.bench import Report, backend_for, compiled_us, median_us, parse_args
 
-import op_cases as oc  # noqa: E402  (tests/op_cases.py: benchmarked inputs are tested inputs)
+from dspark_rt.testing import op_cases as oc  # benchmarked inputs are tested inputs
 from dspark_rt import ops  # noqa: E402
 from dspark_rt.ops import reference  # noqa: E402
 

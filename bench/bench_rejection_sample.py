@@ -9,9 +9,9 @@ a kernel that stops at the first rejection reads less). FLOPs: none counted (exp
 """
 import torch
 
-from timing import Report, backend_for, median_us, parse_args  # puts the repo on sys.path
+from dspark_rt.testing.bench import Report, backend_for, median_us, parse_args
 
-import op_cases as oc  # noqa: E402  (tests/op_cases.py: benchmarked inputs are tested inputs)
+from dspark_rt.testing import op_cases as oc  # benchmarked inputs are tested inputs
 from dspark_rt import ops  # noqa: E402
 
 

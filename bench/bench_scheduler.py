@@ -17,11 +17,10 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from dspark_rt import ops  # noqa: E402
-from dspark_rt.env_info import nvml_state  # noqa: E402
-from dspark_rt.schedulers import AsyncScheduler, SyncScheduler, candidates  # noqa: E402
-from dspark_rt.sps import SPSProfile  # noqa: E402
+from dspark_rt import ops
+from dspark_rt.nvml import nvml_state
+from dspark_rt.policies.prefix import AsyncScheduler, SyncScheduler, candidates
+from dspark_rt.policies.sps import SPSProfile
 
 SHAPES = [(R, gamma) for R in (1, 32, 256) for gamma in (7, 16)]
 

@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from dspark_rt import Decoder, SamplingParams, SpecMetrics  # noqa: E402
-from dspark_rt.prompts import fit_length, load_prompts  # noqa: E402
+from dspark_rt import Decoder, SamplingParams, SpecMetrics
+from dspark_rt.tools.prompts import fit_length, load_prompts
 
 PRETRAINED = ROOT / "dspark_rt" / "pretrained"
 EVAL = ROOT.parent / "shared" / "data" / "eval"  # the prompt sets beside the checkout
@@ -29,12 +28,11 @@ EVAL = ROOT.parent / "shared" / "data" / "eval"  # the prompt sets beside the ch
 
 def run(target, drafter, mode, prompts, params, batch):
     dec = Decoder.from_pretrained(str(target), str(drafter), mode=mode, policy="fixed")
-    m, ids, t0 = SpecMetrics(dec.runner.gamma), [], time.perf_counter()
+    outs, t0 = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        for o in dec.generate(prompts[i:i + batch], params, use_tqdm=False):
-            m.merge(o.metrics)
-            ids.append(o.token_ids)
-    return m, ids, time.perf_counter() - t0
+        outs += dec.generate(prompts[i:i + batch], params, use_tqdm=False)
+    secs = time.perf_counter() - t0
+    return SpecMetrics.merged(o.metrics for o in outs), [o.token_ids for o in outs], secs
 
 
 def main(argv=None):

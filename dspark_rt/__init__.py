@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 from .engine.config import EngineConfig
 from .outputs import RequestOutput, SpecMetrics
-from .policy import Calibration, FixedPolicy, ThresholdPolicy, VerifyPolicy
+from .policies import Calibration, FixedPolicy, ThresholdPolicy, VerifyPolicy
 from .sampling_params import SamplingParams
 
 

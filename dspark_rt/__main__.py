@@ -5,9 +5,9 @@ import importlib
 import sys
 
 # Subcommands whose arguments their own module parses (imported only when run).
-TOOLS = {"calibrate": ("calibrate", "fit STS temperatures of a drafter's confidence head"),
-         "profile": ("profiling", "measure this machine's throughput profile SPS(B)"),
-         "eval": ("evaluate", "tau, acceptance, verify lengths, tokens/s and calibration"),
+TOOLS = {"calibrate": ("tools.calibrate", "fit STS temperatures of a drafter's confidence head"),
+         "profile": ("tools.profile", "measure this machine's throughput profile SPS(B)"),
+         "eval": ("tools.evaluate", "tau, acceptance, verify lengths, tokens/s and calibration"),
          "train": ("train.__main__", "train a tiny target and DSpark/DFlash drafters")}
 
 
@@ -29,10 +29,10 @@ def main(argv=None):
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "env":
-        from .env_info import main as env_main
+        from .tools.env_info import main as env_main
         env_main(args.json)
     elif args.cmd == "demo":
-        from .demo import main as demo_main
+        from .tools.demo import main as demo_main
         summary = demo_main(args.out, quick=args.quick, as_json=args.json, device=args.device)
         wrong = [m for m, r in (summary or {}).get("modes", {}).items() if not r["equals_ar"]]
         if wrong:  # greedy speculative output must equal plain decoding: a failed promise

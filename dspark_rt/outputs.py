@@ -41,6 +41,15 @@ class SpecMetrics:
             for i, v in enumerate(getattr(other, name)):
                 mine[i] += v
 
+    @classmethod
+    def merged(cls, metrics) -> "SpecMetrics":
+        """The sum of several requests' metrics (all of one gamma; empty: gamma 0)."""
+        metrics = list(metrics)
+        out = cls(metrics[0].gamma if metrics else 0)
+        for m in metrics:
+            out.merge(m)
+        return out
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per round, the bonus/correction token included (tau)."""

@@ -1,7 +1,7 @@
 """Test helpers that do not hide what they compute."""
 import torch
 
-from dspark_rt.kv_cache import PagedKVCache
+from dspark_rt.models.kv_cache import PagedKVCache
 from dspark_rt.models.batch import AttnMeta
 
 

@@ -20,11 +20,10 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chi2 as chi2_dist, ncx2
 
 from dspark_rt import Decoder, SamplingParams, ops, testing
-from dspark_rt.logits_process import filter_rows
+from dspark_rt.runner.logits_process import filter_rows
 from dspark_rt.ops import philox, reference
-from dspark_rt.policy import ThresholdPolicy
-from dspark_rt.schedulers import AsyncScheduler, SyncScheduler
-from dspark_rt.sps import SPSProfile
+from dspark_rt.policies import AsyncScheduler, SyncScheduler, ThresholdPolicy
+from dspark_rt.policies.sps import SPSProfile
 from dspark_rt.runner import Runner
 
 from tests.helpers import batched_full_logits
@@ -194,7 +193,7 @@ def power(detail: dict, n_pilot: int, n: int, alpha: float = P_FAIL) -> float:
 
 # --- deliberately wrong variants ------------------------------------------------------------------
 
-_real_rejection, _real_markov, _real_filter = ops.rejection_sample, ops.markov_sample, Runner._filter
+_real_rejection, _real_markov, _real_filter = ops.rejection_sample, ops.markov_sample, Runner.filter
 
 
 @dataclass
@@ -287,10 +286,10 @@ def bonus_from_previous_row(target_logits, cu_rows, draft_tokens, draft_logits, 
     return acc, out
 
 
-def filter_plain_steps_only(self, reqs, logits, cu_rows):
+def filter_plain_steps_only(self, batch, logits, cu_rows):
     """Top-k / top-p applied to plain steps (one row per request) but not to verify rounds."""
     if cu_rows[-1] == len(cu_rows) - 1:
-        return _real_filter(self, reqs, logits, cu_rows)
+        return _real_filter(self, batch, logits, cu_rows)
     return logits
 
 
@@ -319,7 +318,7 @@ MUTANTS = [
            ops_patch={"rejection_sample": bonus_from_previous_row}),
     Mutant("filter-one-side", "top-k/top-p applied to plain steps, not to verify rounds",
            Case("dspark", "fixed", "vanilla", 1.0, top_k=3),
-           runner_patch={"_filter": filter_plain_steps_only}),
+           runner_patch={"filter": filter_plain_steps_only}),
     Mutant("threshold-lookahead", "threshold reads the next position's confidence",
            Case("dspark", "threshold", "vanilla", 1.0),
            policy=lambda: ThresholdLookahead(THRESHOLD)),

@@ -186,15 +186,17 @@ def test_sync_policy_profiles_once_and_reuses_the_cache(tiny_target, tiny_drafte
 
 
 def test_phase_timing_is_opt_in(dec):
-    assert dec.runner.phase_times is None
-    dec.runner.phase_times = {}
+    from dspark_rt.runner.round import Round
+    from dspark_rt.testing import phases
+    assert type(dec.engine.round) is Round
+    times = phases.install(dec)
     try:
         dec.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-        assert {"draft_forward", "sequential_head", "schedule", "verify_forward", "accept",
-                "context_update"} <= set(dec.runner.phase_times)
-        assert all(v >= 0 for v in dec.runner.phase_times.values())
+        assert set(times) == {"draft", "schedule", "verify_forward", "accept", "context_update"}
+        assert all(v >= 0 for v in times.values())
     finally:
-        dec.runner.phase_times = None
+        phases.uninstall(dec)
+    assert type(dec.engine.round) is Round
 
 
 def test_incremental_text_equals_full_decode():

@@ -7,14 +7,14 @@ import shutil
 import pytest
 
 from dspark_rt import Decoder
-from dspark_rt import profiling
+from dspark_rt.runner import profiling
 from dspark_rt.__main__ import main
-from dspark_rt.calibrate import calibrate
-from dspark_rt.evaluate import evaluate
-from dspark_rt.prompts import PromptFileError, load_prompts, read_turns
-from dspark_rt.schedulers import SyncScheduler
-from dspark_rt.sps import SPSProfile
-from dspark_rt.sts import STSResult
+from dspark_rt.tools.calibrate import calibrate
+from dspark_rt.tools.evaluate import evaluate
+from dspark_rt.tools.prompts import PromptFileError, load_prompts, read_turns
+from dspark_rt.policies.prefix import SyncScheduler
+from dspark_rt.policies.sps import SPSProfile
+from dspark_rt.policies.sts import STSResult
 from dspark_rt.tokenizer import Tokenizer
 
 GAMMA = 4
@@ -83,14 +83,14 @@ def test_calibrate_writes_loadable_json(tiny_target, drafter, calibrated):
     assert back.report[0]["ece_after"] <= back.report[0]["ece_before"] + 1e-12
     assert (out.parent / "cal_reliability.png").stat().st_size > 0
     dec = Decoder.from_pretrained(tiny_target, drafter, calibration=out)
-    assert dec.runner.calibration.temperatures == back.temperatures
+    assert dec.engine.calibration.temperatures == back.temperatures
 
 
 # -- profile ----------------------------------------------------------------------------------
 
-def test_profile_engine_table(tiny_target, drafter):
+def test_profile_runner_table(tiny_target, drafter):
     dec = Decoder.from_pretrained(tiny_target, drafter)
-    prof = profiling.profile_engine(dec, progress=False, **PROFILE)
+    prof = profiling.profile_runner(dec.runner, progress=False, **PROFILE)
     assert prof.tokens == PROFILE["B_values"] and all(v > 0 for v in prof.rounds_per_s)
     assert prof.key["max_tokens"] == 2 * (GAMMA + 1) == prof.max_tokens
     assert prof.key["model"].startswith(f"{tiny_target.name}@") and prof.key["dtype"] == "float32"
@@ -99,20 +99,20 @@ def test_profile_engine_table(tiny_target, drafter):
                                           torch.tensor([GAMMA, GAMMA]), GAMMA)
     assert lengths.shape == (2,) and int(lengths.sum()) + 2 <= prof.max_tokens
     with pytest.raises(ValueError, match="B_values"):
-        profiling.profile_engine(dec, B_values=[11], seconds=0.1, context_len=16, max_batch=2,
+        profiling.profile_runner(dec.runner, B_values=[11], seconds=0.1, context_len=16, max_batch=2,
                                  progress=False)
 
 
 def test_load_or_profile_reuses_cache(tiny_target, drafter, tmp_path, monkeypatch, caplog):
     dec = Decoder.from_pretrained(tiny_target, drafter)
     calls = []
-    real = profiling.profile_engine
-    monkeypatch.setattr(profiling, "profile_engine", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = profiling.profile_runner
+    monkeypatch.setattr(profiling, "profile_runner", lambda *a, **k: calls.append(1) or real(*a, **k))
     kw = dict(B_values=PROFILE["B_values"], seconds=0.1, max_batch=2, progress=False)
-    first = profiling.load_or_profile(dec, tmp_path, context_len=16, **kw)
-    second = profiling.load_or_profile(dec, tmp_path, context_len=16, **kw)
+    first = profiling.load_or_profile(dec.runner, tmp_path, context_len=16, **kw)
+    second = profiling.load_or_profile(dec.runner, tmp_path, context_len=16, **kw)
     assert len(calls) == 1 and second == first
-    profiling.load_or_profile(dec, tmp_path, context_len=24, **kw)  # another key: measure
+    profiling.load_or_profile(dec.runner, tmp_path, context_len=24, **kw)  # another key: measure
     assert len(calls) == 2 and len(list(tmp_path.glob("sps_*.json"))) == 2
     # a cached file whose key no longer matches (edited, or another dtype) is measured again
     path = profiling.cache_path(first.key, tmp_path)
@@ -120,7 +120,7 @@ def test_load_or_profile_reuses_cache(tiny_target, drafter, tmp_path, monkeypatc
     d["key"]["dtype"] = "bfloat16"
     path.write_text(json.dumps(d))
     with caplog.at_level(logging.WARNING):
-        again = profiling.load_or_profile(dec, tmp_path, context_len=16, **kw)
+        again = profiling.load_or_profile(dec.runner, tmp_path, context_len=16, **kw)
     assert len(calls) == 3 and again.key["dtype"] == "float32" and "dtype" in caplog.text
     assert SPSProfile.load(path).key["dtype"] == "float32"
 

@@ -7,7 +7,7 @@ import torch
 
 from dspark_rt import Decoder, SamplingParams
 from dspark_rt.engine import EngineConfig
-from dspark_rt.engine.engine import Engine
+from dspark_rt.runner.round import Round
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -31,7 +31,7 @@ def test_stress_equals_requests_run_alone(pair, mode, num_pages):
     rng = random.Random(1234 + num_pages)
     dec = Decoder.from_pretrained(target, None if mode == "ar" else drafter, mode=mode, dtype="float64",
                                   page_size=4)
-    eng = Engine(dec, num_pages=num_pages, max_num_seqs=6, max_num_batched_tokens=48, chunk_size=8)
+    eng = dec.new_engine(num_pages=num_pages, max_num_seqs=6, max_num_batched_tokens=48, chunk_size=8)
     want, done, aborted, bad = {}, {}, set(), 0
     pending = [([rng.randrange(90) for _ in range(rng.randint(1, 20))], rng.randint(1, 12)) for _ in range(30)]
     steps = 0
@@ -67,22 +67,21 @@ def test_stress_equals_requests_run_alone(pair, mode, num_pages):
     assert bad > 0
 
 
-def test_nan_logits_fail_one_request_only(pair, monkeypatch):
+def test_nan_logits_fail_one_request_only(pair):
     target, drafter = pair
     dec = Decoder.from_pretrained(target, drafter, mode="dspark", dtype="float64")
-    eng = Engine(dec, num_pages=64)
+    eng = dec.new_engine(num_pages=64)
     ids = [eng.add_request(p, SamplingParams(max_tokens=8, **GREEDY)) for p in ([1, 2, 3], [4, 5], [6])]
     poisoned = ids[1]
-    real_filter = eng.runner._filter
 
-    def _filter(reqs, logits, cu_rows):  # the target's rows of one request turn NaN
-        logits = real_filter(reqs, logits, cu_rows)
-        for i, r in enumerate(reqs):
-            if r.request_id == poisoned and r.output_ids:
-                logits[cu_rows[i]] = float("nan")
-        return logits
+    class PoisonedRound(Round):  # the target's rows of one request turn NaN
+        def accept(self, runner, batch, draft, plan, logits, rng, policy):
+            for i, stream in enumerate(batch.streams):
+                if stream == poisoned + 1:  # requests without a seed draw stream id + 1
+                    logits[plan.cu[i]] = float("nan")
+            return super().accept(runner, batch, draft, plan, logits, rng, policy)
 
-    monkeypatch.setattr(eng.runner, "_filter", _filter)
+    eng.round = PoisonedRound()
     results = {}
     while eng.has_unfinished():
         for o in eng.step():
@@ -96,7 +95,7 @@ def test_nan_logits_fail_one_request_only(pair, monkeypatch):
 def test_stream_deltas_add_up(pair):
     target, drafter = pair
     dec = Decoder.from_pretrained(target, drafter, mode="dspark", dtype="float64")
-    eng = Engine(dec, num_pages=64)
+    eng = dec.new_engine(num_pages=64)
     deltas = list(eng.stream([7, 8, 9], SamplingParams(max_tokens=15, **GREEDY)))
     assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
     toks = [t for d in deltas for t in d.new_token_ids]
@@ -107,12 +106,12 @@ def test_stream_deltas_add_up(pair):
 def test_bad_engine_arguments(pair):
     dec = Decoder.from_pretrained(pair[0], mode="ar")
     with pytest.raises(ValueError, match="num_pages"):
-        Engine(dec, num_pages=0)
+        dec.new_engine(num_pages=0)
     with pytest.raises(ValueError, match="watermark"):
-        Engine(dec, watermark=1.0)
+        dec.new_engine(watermark=1.0)
     with pytest.raises(ValueError, match="not both"):
-        Engine(dec, EngineConfig(num_pages=4), num_pages=8)
-    eng = Engine(dec, num_pages=4)
+        dec.new_engine(EngineConfig(num_pages=4), num_pages=8)
+    eng = dec.new_engine(num_pages=4)
     with pytest.raises(ValueError):
         eng.add_request([1] * 200, SamplingParams(max_tokens=2))  # can never fit 4 pages
     assert not eng.abort(12345)
@@ -136,7 +135,7 @@ def test_prefix_cache_keeps_outputs_and_acceptance(pair, drafter_cached):
 
     def run(caching):
         dec = Decoder.from_pretrained(target, drafter, mode="dspark", dtype="float64", page_size=4)
-        eng = Engine(dec, num_pages=128, enable_prefix_caching=caching)
+        eng = dec.new_engine(num_pages=128, enable_prefix_caching=caching)
         if caching and not drafter_cached:
             eng.drafter_blocks.enable_prefix_caching = False
         starts, outs = [], {}
@@ -176,19 +175,19 @@ def test_prefix_cache_keeps_outputs_and_acceptance(pair, drafter_cached):
 def test_host_reads_per_round(pair, mode, policy, reads):
     """A round reads the device once (its results); a host-side policy that reads confidences
     (threshold, sync) adds one; async admits on the device."""
-    from dspark_rt.sps import SPSProfile
+    from dspark_rt.policies.sps import SPSProfile
     sps = SPSProfile.from_pairs({B: 1000.0 / (1.0 + B / 4.0) for B in range(1, 65)})
     dec = Decoder.from_pretrained(pair[0], None if mode == "ar" else pair[1], mode=mode,
                                   policy=policy, **({"sps": sps} if policy in ("sync", "async") else {}))
     dec.generate([[1, 2], [3, 4, 5], [6]], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
-    r = dec.runner
-    assert r.rounds > 3 and r.round_host_reads == reads * r.rounds
+    e = dec.engine
+    assert e.num_rounds > 3 and e.round_host_reads == reads * e.num_rounds
 
 
 def _reads_per_step(dec, logprobs: bool, log_rounds: bool) -> tuple[int, int]:
     """(device reads, engine steps) of 8 requests driven through an Engine step by step."""
     dec.round_log = [] if log_rounds else None
-    eng = Engine(dec, EngineConfig(num_pages=64, max_num_seqs=8))
+    eng = dec.new_engine(EngineConfig(num_pages=64, max_num_seqs=8))
     for i in range(8):
         eng.add_request([1 + i, 2, 3], SamplingParams(max_tokens=10, logprobs=logprobs, **GREEDY))
     r0, steps = dec.runner.host_reads, 0
@@ -217,7 +216,7 @@ def test_cuda_syncs_are_the_counted_reads(pair, mode, policy):
     """On a GPU, PyTorch's sync debug mode sees every synchronising call: after warm-up, a
     decoding step synchronises no more often than the runner counted device reads."""
     import warnings
-    from dspark_rt.sps import SPSProfile
+    from dspark_rt.policies.sps import SPSProfile
     sps = SPSProfile.from_pairs({B: 1000.0 / (1.0 + B / 4.0) for B in range(1, 65)})
     dec = Decoder.from_pretrained(pair[0], None if mode == "ar" else pair[1], mode=mode,
                                   policy=policy, device="cuda", dtype="float32",
@@ -253,16 +252,16 @@ def test_generate_and_streams_share_one_engine(pair):
     c = dec.stream([1, 2, 3], SamplingParams(max_tokens=40, **GREEDY))
     next(c)
     c.close()  # closing early aborts the request
-    eng = dec._engine
+    eng = dec.engine
     assert not eng.has_unfinished() and eng.target_blocks.num_used == 0
     assert eng.drafter_blocks.num_used == 0
 
 
 def test_an_older_engine_refuses_to_step(pair):
     dec = Decoder.from_pretrained(pair[0], mode="ar")
-    old = Engine(dec, num_pages=8)
+    old = dec.new_engine(num_pages=8)
     old.add_request([1, 2], SamplingParams(max_tokens=2))
-    Engine(dec, num_pages=8)  # new caches for the same runner
+    dec.new_engine(num_pages=8)  # new caches for the same runner
     with pytest.raises(RuntimeError, match="newer Engine"):
         old.step()
 
@@ -270,21 +269,21 @@ def test_an_older_engine_refuses_to_step(pair):
 def test_device_metadata_equals_host_metadata(pair):
     """The async path builds the verify batch from lengths on the device; its rows equal the
     host-built ones, and the padding rows past the real total write nowhere (slot -1)."""
-    from types import SimpleNamespace
+    from dspark_rt.runner.batch import SeqBatch
     dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark")
     r = dec.runner
     r.page_size = 4
     rng = random.Random(3)
     for _ in range(20):
         R, gamma = rng.randint(1, 5), r.gamma
-        reqs = [SimpleNamespace(kv_len=rng.randint(0, 30), target_pages=rng.sample(range(100), 10))
-                for _ in range(R)]
+        kv, pages = [rng.randint(0, 30) for _ in range(R)], [rng.sample(range(100), 10) for _ in range(R)]
+        batch = SeqBatch(kv, kv, pages, pages, [0] * R, [gamma] * R, [SamplingParams()] * R,
+                         [0] * R, [0] * R, [0] * R)
         lengths = [rng.randint(0, gamma) for _ in range(R)]
         chains = torch.randint(0, 90, (R, gamma + 1))
         pad = rng.randint(0, 5)
-        meta, pos, ids, owner = r._meta_on_device(reqs, torch.tensor(lengths), R + sum(lengths) + pad, chains)
-        want, want_pos, cu = r._meta([q.target_pages for q in reqs], [q.kv_len for q in reqs],
-                                     [n + 1 for n in lengths], True)
+        meta, pos, ids, owner = r.meta_on_device(batch, torch.tensor(lengths), R + sum(lengths) + pad, chains)
+        want, want_pos, cu = r.meta(pages, kv, [n + 1 for n in lengths], True)
         n = cu[-1]
         assert meta.cu_q.tolist() == want.cu_q.tolist() and meta.kv_lens.tolist() == want.kv_lens.tolist()
         assert torch.equal(meta.block_tables, want.block_tables)

@@ -29,7 +29,6 @@ import pytest
 import torch
 
 from dspark_rt import Decoder, SamplingParams
-from dspark_rt.engine.engine import Engine
 from tests.helpers import full_forward_logits
 
 N_GOOD = 2000            # good requests per mode (the bad ones come on top)
@@ -216,7 +215,7 @@ def test_thousands_of_requests(tiny_target, drafter, reference_target, verified,
     dec = Decoder.from_pretrained(tiny_target, drafter, mode=mode, dtype="float64",
                                   page_size=PAGE_SIZE)
     assert dec.mode == mode and (mode != "dspark" or dec.drafter.head != "none")
-    eng = Engine(dec, **ENGINE)
+    eng = dec.new_engine(**ENGINE)
     vocab, max_len = dec.target.config.vocab_size, dec.max_model_len
     pool_tokens = ENGINE["num_pages"] * PAGE_SIZE
     assert pool_tokens < max_len  # else "never_fits_pool" requests could not exist
@@ -366,7 +365,7 @@ def test_params_changed_after_construction_are_refused(tiny_target, name, value)
     """SamplingParams checks its fields when built; a field set afterwards is just as bad and
     is refused by add_request too (unchecked, max_tokens=0 would return one token and
     temperature=-1 would sample)."""
-    eng = Engine(Decoder.from_pretrained(tiny_target, mode="ar", dtype="float64"), num_pages=16)
+    eng = Decoder.from_pretrained(tiny_target, mode="ar", dtype="float64").new_engine(num_pages=16)
     params = SamplingParams(max_tokens=3, **GREEDY)
     setattr(params, name, value)
     with pytest.raises(ValueError, match=name):

@@ -1,4 +1,4 @@
-"""CUDA graphs per bucket (dspark_rt/graphs.py).
+"""CUDA graphs per bucket (dspark_rt/runner/graphs.py).
 
 CPU: the padded fixed-buffer path, run eagerly (capture=False), against the unpadded forward the
 runner runs (target.forward for verify, Runner.draft for draft) on the tiny fixture models in
@@ -26,15 +26,13 @@ import math
 import pytest
 import torch
 
-from dspark_rt import graphs, ops, testing
-from dspark_rt.graphs import GraphRunner, StaticBatch, capture_problem, default_buckets
+from dspark_rt import ops, testing
+from dspark_rt.runner import graphs
+from dspark_rt.runner.graphs import GraphRunner, StaticBatch, capture_problem, default_buckets
 from dspark_rt.models.batch import AttnMeta
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.models.qwen3 import Qwen3Model
-from dspark_rt.outputs import SpecMetrics
-from dspark_rt.policy import FixedPolicy
-from dspark_rt.request import Request
-from dspark_rt.runner import Runner
+from dspark_rt.runner import Runner, SeqBatch
 from dspark_rt.sampling_params import SamplingParams
 
 PAGE = 4
@@ -57,14 +55,14 @@ def _runner(target_dir, drafter_dir, kind, dtype, device="cpu") -> Runner:
     t = Qwen3Model.from_pretrained(str(target_dir), dtype=dtype, device=device)
     d = Drafter.from_pretrained(str(drafter_dir), t) if drafter_dir else None
     mode = "ar" if d is None else "dflash" if kind in ("none", "zlab") else "dspark"
-    run = Runner(t, d, mode, FixedPolicy(), None, PAGE, torch.device(device))
+    run = Runner(t, d, mode, PAGE, torch.device(device))
     run.allocate_caches(NUM_PAGES)
     return run
 
 
 def _meta(run, pages, starts, counts, causal):
-    """The runner's own metadata (its _meta returns (meta, positions[, ...]))."""
-    return run._meta(pages, starts, counts, causal)[:2]
+    """The runner's own metadata (its meta returns (meta, positions, cu))."""
+    return run.meta(pages, starts, counts, causal)[:2]
 
 
 def _hand_out(g, ends, spare=0):
@@ -190,38 +188,35 @@ def test_verify_without_features_and_wide_tables(tiny_target):
 # -- draft -------------------------------------------------------------------------------------
 
 def _requests(g, R, B, V):
-    """R requests with drafter contexts of random length, mixed greedy / sampled."""
-    reqs = []
-    for i in range(R):
-        temp = [0.0, 0.7, 1.0][i % 3]
-        params = SamplingParams(temperature=temp, max_tokens=64, coupled=i % 4 == 1)
-        r = Request(i, None, [1], params, seed=1000 + i,
-                    stream=i % 2, metrics=SpecMetrics(B))
-        r.ctx_len = r.kv_len = int(torch.randint(1, 14, (1,), generator=g))
-        r.anchor = int(torch.randint(0, V, (1,), generator=g))
-        r.round = int(torch.randint(0, 5, (1,), generator=g))
-        reqs.append(r)
-    return reqs
+    """A SeqBatch of R requests with drafter contexts of random length, mixed greedy / sampled
+    (drafter pages set by the caller)."""
+    ctx = [int(torch.randint(1, 14, (1,), generator=g)) for _ in range(R)]
+    anchors = [int(torch.randint(0, V, (1,), generator=g)) for _ in range(R)]
+    rounds = [int(torch.randint(0, 5, (1,), generator=g)) for _ in range(R)]
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0][i % 3], max_tokens=64, coupled=i % 4 == 1)
+              for i in range(R)]
+    return SeqBatch(ctx, list(ctx), [[] for _ in range(R)], [[] for _ in range(R)], anchors,
+                    [B] * R, params, [1000 + i for i in range(R)], [i % 2 for i in range(R)], rounds)
 
 
 def _draft_case(run, gr, g, R, spare=0):
     B, V = run.drafter.block_size, run.target.config.vocab_size
-    reqs = _requests(g, R, B, V)
-    pages = _hand_out(g, [r.ctx_len + B for r in reqs], spare)
-    for r, pl in zip(reqs, pages):
-        r.drafter_pages = list(pl)
-    _poison(run.dcache, pages, [r.ctx_len for r in reqs], g)
+    batch = _requests(g, R, B, V)
+    pages = _hand_out(g, [c + B for c in batch.ctx_lens], spare)
+    batch.drafter_pages = [list(pl) for pl in pages]
+    _poison(run.dcache, pages, batch.ctx_lens, g)
     before = _snapshot(run.dcache)
-    ref = run.draft(reqs)[:4]  # tokens, z, lse, conf (newer runners also return the anchor)
+    ref = run.draft(batch, run.rng(batch))
     ref_cache = _snapshot(run.dcache)
     _restore(run.dcache, before)
-    meta, pos = _meta(run, pages, [r.ctx_len for r in reqs], [B] * R, False)
-    anchor = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=run.device)
+    meta, pos = _meta(run, pages, batch.ctx_lens, [B] * R, False)
+    anchor = torch.tensor(batch.anchors, dtype=torch.int64, device=run.device)
     stats = dict(gr.stats)
-    got = gr.draft(anchor, pos, meta, run.dcache, run._rng(reqs))
-    assert torch.equal(got[0], ref[0]), "drafted tokens differ"
-    for name, a, b in zip(("z", "lse", "conf_logit"), got[1:], ref[1:]):
-        _close(a, b, name)
+    got = gr.draft(anchor, pos, meta, run.dcache, run.rng(batch))
+    assert torch.equal(got[0], ref.tokens), "drafted tokens differ"
+    for name, a, b in zip(("z", "lse", "conf_logit"), got[1:], (ref.z, ref.lse, ref.conf_logit)):
+        if b is not None:  # no confidence head: the runner reports none
+            _close(a, b, name)
     _same_cache(run.dcache, ref_cache)
     return {k: gr.stats[k] - stats[k] for k in stats}
 
@@ -410,12 +405,12 @@ def test_replay_draft(tiny_target, tiny_drafters, kind, graph_device):
 
 def _draft_inputs(run, g, R):
     B, V = run.drafter.block_size, run.target.config.vocab_size
-    reqs = _requests(g, R, B, V)
-    pages = _hand_out(g, [r.ctx_len + B for r in reqs])
-    _poison(run.dcache, pages, [r.ctx_len for r in reqs], g)
-    meta, pos = _meta(run, pages, [r.ctx_len for r in reqs], [B] * R, False)
-    anchor = torch.tensor([r.anchor for r in reqs], dtype=torch.int64, device=run.device)
-    return anchor, pos, meta, run.dcache, run._rng(reqs)
+    batch = _requests(g, R, B, V)
+    pages = _hand_out(g, [c + B for c in batch.ctx_lens])
+    _poison(run.dcache, pages, batch.ctx_lens, g)
+    meta, pos = _meta(run, pages, batch.ctx_lens, [B] * R, False)
+    anchor = torch.tensor(batch.anchors, dtype=torch.int64, device=run.device)
+    return anchor, pos, meta, run.dcache, run.rng(batch)
 
 
 def test_capture_all_writes_nothing(tiny_target, tiny_drafters, graph_device):

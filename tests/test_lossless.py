@@ -27,9 +27,8 @@ import torch
 
 from dspark_rt import Decoder, SamplingParams
 from dspark_rt.models.drafter import Drafter
-from dspark_rt.policy import ThresholdPolicy
-from dspark_rt.schedulers import AsyncScheduler, SyncScheduler
-from dspark_rt.sps import SPSProfile
+from dspark_rt.policies import AsyncScheduler, SyncScheduler, ThresholdPolicy
+from dspark_rt.policies.sps import SPSProfile
 from pathlib import Path
 
 from tests.helpers import full_forward_logits
@@ -104,11 +103,11 @@ def _decode(head, policy, dtype, batch):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = PROMPTS[:batch]
     first = dec.generate(prompts, params, use_tqdm=False)
-    eng = dec._engine
+    eng = dec.engine
     ids = [dec.tokenizer.encode(p) for p in prompts]
     hit = all(eng.target_blocks.lookup_prefix(t, len(t) - 1) for t in ids if len(t) > 16)
     second = dec.generate(prompts, params, use_tqdm=False)
-    assert dec._engine is eng, "the second run must reuse the Engine (and its prefix cache)"
+    assert dec.engine is eng, "the second run must reuse the Engine (and its prefix cache)"
     return first, second, hit
 
 
@@ -187,7 +186,7 @@ def _wrong_mask_token(dec):
 
 
 def _w1_w2_swapped(dec):
-    w = dec.runner._head_weights
+    w = dec.runner.head_weights
     w["w1"], w["w2"] = w["w2"], w["w1"]
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspark_rt import testing
-from dspark_rt.kv_cache import KVCacheError, PageAllocator, PagedKVCache
+from dspark_rt.models.kv_cache import KVCacheError, PagedKVCache
 from dspark_rt.models.batch import AttnMeta
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.models.qwen3 import Qwen3Model, rope_inv_freq
@@ -323,21 +323,3 @@ def test_kv_cache_write_lands_in_pages():
     assert cache.k[1].is_contiguous() and cache.num_slots == 12
     with pytest.raises(KVCacheError, match="must be"):
         cache.write(0, k[:, :1], v, torch.tensor([0, 1, 2]))
-
-
-def test_page_allocator():
-    a = PageAllocator(4)
-    p = a.allocate(3)
-    assert p == [0, 1, 2] and a.num_free == 1
-    with pytest.raises(KVCacheError, match="out of pages: 2 requested, 1 of 4 free"):
-        a.allocate(2)
-    a.free([1])
-    assert a.allocate(2) == [1, 3]
-    a.free([1])
-    with pytest.raises(KVCacheError, match=r"page 1 is not allocated \(double free"):
-        a.free([1])
-    with pytest.raises(KVCacheError, match="out of range"):
-        a.free([7])
-    with pytest.raises(KVCacheError, match="repeat"):
-        a.free([0, 0])
-    assert a.allocate(0) == []

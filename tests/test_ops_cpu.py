@@ -16,7 +16,7 @@ import torch
 from dspark_rt import ops
 from dspark_rt.ops import philox, reference
 
-from . import op_cases as oc
+from dspark_rt.testing import op_cases as oc
 
 pytestmark = pytest.mark.skipif("cpp" not in ops.available_backends(),
                                 reason="the C++ extension is not built")

@@ -1,6 +1,6 @@
 """The CUDA backend against the PyTorch reference (run on the same GPU, in the same dtype) and,
 for float32, against the C++ backend on CPU copies of the same inputs. Inputs come from
-tests/op_cases.py (fresh every run; DSPARK_TEST_SEED reproduces), plus GPU-sized cases that
+dspark_rt/testing/op_cases.py (fresh every run; DSPARK_TEST_SEED reproduces), plus GPU-sized cases that
 reach the tensor-core paths, several request groups, split-KV and 32k contexts.
 
 Tolerances are in units of the dtype: EPS below is its relative spacing (2^-23 float32, 2^-10
@@ -25,7 +25,7 @@ import torch
 from dspark_rt import ops
 from dspark_rt.ops import philox, reference
 
-from . import op_cases as oc
+from dspark_rt.testing import op_cases as oc
 
 
 def _cuda_ready():
@@ -288,7 +288,7 @@ def test_append_kv(dtype, h_kv, hd):
 _SANITIZE_SCRIPT = textwrap.dedent("""
     import torch
     from dspark_rt import ops
-    from tests import op_cases as oc
+    from dspark_rt.testing import op_cases as oc
     for dt in (torch.bfloat16, torch.float32):
         for c in (oc.MarkovCase(3, 2, 1100, "gated", rank=32, d=24, conf="markov"),
                   oc.MarkovCase(2, 2, 700, "vanilla", rank=20, temps="sampled"),

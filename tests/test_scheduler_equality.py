@@ -4,13 +4,13 @@ The sync and async schedulers choose each request's verify length from confidenc
 throughput profile; whatever they choose, greedy output must be the target's own tokens. Runs
 in float64 (see test_greedy_equality.py for why) on a batch of prompts of mixed lengths, with a
 synthetic profile shaped so the schedulers cut chains (checked: some rounds verify fewer drafts
-than the cap allows, some verify more than none) and with one measured by profile_engine.
+than the cap allows, some verify more than none) and with one measured by profile_runner.
 """
 import pytest
 
 from dspark_rt import Decoder, SamplingParams
-from dspark_rt.profiling import profile_engine
-from dspark_rt.sps import SPSProfile
+from dspark_rt.runner.profiling import profile_runner
+from dspark_rt.policies.sps import SPSProfile
 
 PROMPTS = [[5], [3, 17, 42, 8, 9, 11, 2], [60, 61], list(range(10, 31)), [7, 7, 7, 7]]
 MAX_TOKENS = 24
@@ -71,7 +71,7 @@ def test_schedulers_equal_ar_measured_profile(tiny_target, tiny_drafters, ar_out
     base = Decoder.from_pretrained(tiny_target, tiny_drafters(kind, gamma), mode="dspark",
                                    dtype="float64")
     max_B = len(PROMPTS) * (gamma + 1)
-    sps = profile_engine(base, B_values=[1, 3, len(PROMPTS), max_B // 2, max_B], seconds=0.1,
+    sps = profile_runner(base.runner, B_values=[1, 3, len(PROMPTS), max_B // 2, max_B], seconds=0.1,
                          context_len=16, max_batch=len(PROMPTS), progress=False)
     assert sps.max_tokens == max_B and all(v > 0 for v in sps.rounds_per_s)
     for policy in ("sync", "async"):

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from dspark_rt import ops
-from dspark_rt.schedulers import AsyncScheduler, SyncScheduler, candidates, ranked
-from dspark_rt.sps import SPSProfile
+from dspark_rt.policies.prefix import AsyncScheduler, SyncScheduler, candidates, ranked
+from dspark_rt.policies.sps import SPSProfile
 
 
 class RetrospectiveScheduler(AsyncScheduler):

@@ -6,8 +6,8 @@ import logging
 import numpy as np
 import pytest
 
-from dspark_rt import sps as sps_mod
-from dspark_rt.sps import (SPSProfile, check_profile, measure_profile, profile_key,
+from dspark_rt.policies import sps as sps_mod
+from dspark_rt.policies.sps import (SPSProfile, check_profile, measure_profile, profile_key,
                            read_sglang_sps_table, write_sglang_sps_table)
 
 GPU = {"name": "NVIDIA H200", "uuid": "GPU-1234", "driver": "560.35", "sm_clock_mhz": 1980,
@@ -67,7 +67,7 @@ def test_key_without_gpu_and_mismatch(caplog):
     assert ok.profile is cached and not ok.reprofile and not ok.reasons
     for field, value in [("gpu_uuid", "GPU-9"), ("driver", "570.1"), ("model", "other"),
                          ("dtype", "float16"), ("max_batch", 16)]:
-        with caplog.at_level(logging.WARNING, logger="dspark_rt.sps"):
+        with caplog.at_level(logging.WARNING, logger="dspark_rt.policies.sps"):
             bad = check_profile(cached, {**now, field: value}, gpu=GPU)
         assert bad.profile is None and bad.reprofile and field in bad.reasons[0]
         assert field in caplog.text
@@ -77,7 +77,7 @@ def test_clock_change_rescales_or_reprofiles(caplog):
     key = profile_key("m", "bf16", max_batch=8, max_tokens=64, gpu=GPU)
     cached = SPSProfile([1, 64], [10.0, 5.0], key)
     slow = {**GPU, "sm_clock_mhz": 990}
-    with caplog.at_level(logging.WARNING, logger="dspark_rt.sps"):
+    with caplog.at_level(logging.WARNING, logger="dspark_rt.policies.sps"):
         res = check_profile(cached, key, gpu=slow)
     assert res.profile.rounds_per_s == [5.0, 2.5] and res.profile.key["sm_clock_mhz"] == 990
     assert not res.reprofile and "rescaled" in caplog.text

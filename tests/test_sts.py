@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_rt import sts
-from dspark_rt.policy import Calibration
+from dspark_rt.policies import sts
+from dspark_rt.policies import Calibration
 
 PLANTED = np.array([0.5, 2.0, 1.5, 3.0])
 GRID = np.geomspace(0.05, 20.0, 61)  # ~10.5 % per step

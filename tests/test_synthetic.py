@@ -7,8 +7,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark_rt import Decoder, SamplingParams, synthetic
-from dspark_rt.synthetic import SyntheticAcceptance
+from dspark_rt import Decoder, SamplingParams
+from dspark_rt.runner.round import Round
+from dspark_rt.testing import synthetic
+from dspark_rt.testing.synthetic import SyntheticAcceptance, SyntheticRound
 
 ALPHA = [0.9, 0.7, 0.5, 0.4]  # the tiny DeepSpec drafter of block 4 drafts gamma = 4
 
@@ -70,7 +72,7 @@ def test_accepted_counts_follow_the_given_distribution(tiny_target, tiny_drafter
     tau = 1 + sum(counts) / len(counts)
     assert abs(tau - syn.expected_tau(4)) < 0.1, (tau, syn.expected_tau(4))
 
-    dec.runner.synthetic = _CountsAllSuccesses(ALPHA, seed=3)
+    dec.engine.round = SyntheticRound(_CountsAllSuccesses(ALPHA, seed=3))
     assert _chi2_p(_accepted_counts(dec), ALPHA) < 1e-6
 
 
@@ -86,14 +88,14 @@ def test_scheduler_sees_the_synthetic_survival(tiny_target, tiny_drafters):
     lengths = [n for e in dec.round_log for n in e["lengths"]]
     assert lengths and set(lengths[:-2]) == {2}  # the last rounds are capped by max_tokens
     synthetic.uninstall(dec)
-    assert dec.runner.synthetic is None
+    assert type(dec.engine.round) is Round
 
 
 def test_not_reachable_from_the_serving_api(tiny_target, tiny_drafters):
     for fn in (Decoder.__init__, Decoder.from_pretrained, Decoder.generate, SamplingParams):
         assert not any("synthetic" in p for p in inspect.signature(fn).parameters), fn
     dec = Decoder.from_pretrained(tiny_target, tiny_drafters("vanilla", 4))
-    assert dec.runner.synthetic is None
+    assert type(dec.engine.round) is Round
 
 
 def test_bad_arguments(tiny_target, tiny_drafters):

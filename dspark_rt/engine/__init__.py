@@ -1,4 +1,6 @@
-"""Engine bookkeeping, pure Python: the KV page manager and the request scheduler.
+"""The engine: Engine (engine.py: owns the requests and the loop), its Processor (processing.py:
+requests in, tokens and outputs out), and its bookkeeping in pure Python: the KV page manager
+and the request scheduler (this module imports only those).
 
 One BlockManager per paged cache (target, drafter), one RequestScheduler over both. Each step:
 
@@ -8,13 +10,13 @@ One BlockManager per paged cache (target, drafter), one RequestScheduler over bo
   for c in out.prefills:      # req.target_pages / drafter_pages are set (copies)
       run tokens all_tokens(c.req)[c.start:c.end] at positions c.start..; target K/V slots for
       positions < c.target_from go to a scratch slot (shared cached pages are read, never
-      written); drafter context for every position of the chunk; then
-      req.kv_len = max(req.kv_len, c.end); req.ctx_len = c.end
+      written); drafter context for every position of the chunk; then sched.prefilled(c)
+      (kv_len = max(kv_len, c.end), ctx_len = c.end)
       if c.is_last: no output yet -> sample the first token (round 0) and append it;
                     otherwise (resumed) anchor = output_ids[-1], nothing is sampled
   for req in out.decodes:     # pages cover kv_len + 1 + gamma, ctx_len + max(B, gamma + 1)
-      one DSpark round; commit a + 1 tokens: output_ids += emitted, kv_len += a + 1,
-      ctx_len += a + 1 (context update of the anchor and accepted drafts)
+      one DSpark round (it also writes the drafter context of the anchor and accepted drafts);
+      output_ids += emitted; sched.decoded(req, a + 1) (kv_len += a + 1, ctx_len = kv_len)
   for every request that hit a stop / max_tokens: sched.finish(request_id)
   (sched.abort(request_id) only between steps; it frees pages wherever the request is)
 

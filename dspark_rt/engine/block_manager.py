@@ -21,6 +21,8 @@ see dspark_rt.engine for enable_prefix_caching=False on the drafter ("rebuild" m
 """
 from collections import OrderedDict
 
+from ..runner.batch import pages_for
+
 __all__ = ["BlockManager", "BlockManagerError"]
 
 _ROOT_HASH = 0x5D5BA2C0  # chain seed of page 0
@@ -69,7 +71,7 @@ class BlockManager:
         return len(self._tables)
 
     def pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
+        return pages_for(n_tokens, self.page_size)
 
     def has_seq(self, seq_id) -> bool:
         return seq_id in self._tables

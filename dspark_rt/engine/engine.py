@@ -1,20 +1,29 @@
-"""Continuous batching: requests arrive and leave between rounds.
+"""Continuous batching: requests arrive and leave between rounds; the engine owns them and the loop.
 
-Engine.add_request / abort / step for callers that run their own loop; Engine.stream yields each
-request's new tokens as they are committed. The request scheduler decides every step which
-requests prefill (in chunks) and which run a DSpark round; the block managers hand out KV pages;
-the runner does the work. Decoder.generate and Decoder.stream run on an Engine too.
+Each step the request scheduler decides which requests prefill (in chunks) and which run a
+DSpark round, the runner does the work (prefill, Round), the Processor commits what came back.
+add_request / abort / step for callers that run their own loop (safe to call from several
+threads: one lock serialises them); stream() yields a request's new tokens as they commit;
+run() drives a batch to the end. The Decoder is a facade over one Engine.
 
-An Engine owns its runner's KV caches: a newer Engine on the same Decoder allocates new ones,
-and the older Engine refuses to step from then on.
+An Engine owns its runner's KV caches: a newer Engine on the same runner allocates new ones, and
+the older Engine refuses to step from then on.
 """
+import itertools
+import threading
 from dataclasses import dataclass
 
-from ..outputs import RequestOutput
+from tqdm.auto import tqdm
+
+from ..outputs import RequestOutput, SpecMetrics
+from ..policies import Calibration, FixedPolicy, VerifyPolicy
+from ..runner.batch import SeqBatch
+from ..runner.round import Round, first_token
+from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .processing import Processor
 from .scheduler import RequestScheduler, all_tokens
-
 
 _BAD_LOGITS = "NaN or inf in the target's logits"
 
@@ -30,147 +39,244 @@ class StepOutput:
 
 
 class Engine:
-    """decoder: a Decoder (its models, mode, policy and runner); config: an EngineConfig, or its
-    fields as keywords."""
+    """runner: a runner.Runner (models, mode, caches); config: an EngineConfig, or its fields as
+    keywords. policy: the VerifyPolicy of dspark mode (other modes verify every draft);
+    calibration: STS temperatures of the confidences. tokenizer, eos_token_ids: text in and out,
+    stop tokens. seed: the Philox key of requests without their own; request_ids: the id (and
+    random stream) counter, shared by the Engines of one Decoder."""
 
-    def __init__(self, decoder, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, runner, config: EngineConfig | None = None, *, policy: VerifyPolicy | None = None,
+                 calibration: Calibration | None = None, tokenizer=None, eos_token_ids=(),
+                 seed: int = 0, request_ids=None, **kwargs):
         if config is not None and kwargs:
             raise ValueError(f"Engine: pass an EngineConfig or keywords, not both (got {sorted(kwargs)})")
-        config = config if config is not None else EngineConfig(**kwargs)
-        self.config = config
-        num_pages, enable_prefix_caching = config.num_pages, config.enable_prefix_caching
-        self.decoder, self.runner = decoder, decoder.runner
+        self.config = config if config is not None else EngineConfig(**kwargs)
+        self.runner = runner
+        self.policy = policy if runner.mode == "dspark" and policy is not None else FixedPolicy()
+        if self.policy.needs_confidence and not runner.has_confidence:
+            raise ValueError(f"policy {self.policy.name!r} needs a confidence head, which this "
+                             "drafter lacks")
+        self.calibration = calibration or Calibration.identity(max(runner.gamma, 1))
+        self.processor = Processor(tokenizer, vocab_size=runner.target.config.vocab_size,
+                                   max_model_len=runner.max_len, eos_token_ids=eos_token_ids,
+                                   gamma=runner.gamma)
+        self.round = Round()  # benchmarks swap in a subclass (dspark_rt.testing)
+        self.round_log: list[dict] | None = None  # set to a list to record every round
+        self.num_rounds = self.round_host_reads = 0  # rounds run, device reads inside them
+        self.seed = seed
+        self._ids = request_ids if request_ids is not None else itertools.count()
+        self._lock = threading.RLock()
+        self.requests: dict[int, object] = {}
+        self._build(self.config)
+
+    def _build(self, config: EngineConfig):
+        """Caches and block managers for config (the runner's old caches go first)."""
         r = self.runner
-        r.allocate_caches(num_pages)
+        r.owner = None
+        r.allocate_caches(config.num_pages)
         r.owner = self
-        self.num_pages = num_pages
-        # Full pages of committed tokens are shared between requests with the same prefix (hash of
-        # the token ids). Drafter context is a function of the prefix too, so its pages are cached
-        # alike; where the drafter hit is shorter, its context is rebuilt from target features.
-        self.target_blocks = BlockManager(num_pages, r.page_size,
-                                          enable_prefix_caching=enable_prefix_caching, name="target")
-        self.drafter_blocks = None
-        if r.mode != "ar":
-            self.drafter_blocks = BlockManager(num_pages, r.page_size,
-                                               enable_prefix_caching=enable_prefix_caching,
-                                               name="drafter")
-        block = decoder.drafter.block_size if r.mode != "ar" else 0
+        self.config = config
+        # Full pages of committed tokens are shared between requests with the same prefix (hash
+        # of the token ids). Drafter context is a function of the prefix too, so its pages are
+        # cached alike; where the drafter hit is shorter, its context is rebuilt from features.
+        blocks = lambda name: BlockManager(config.num_pages, r.page_size, name=name,
+                                           enable_prefix_caching=config.enable_prefix_caching)
+        self.target_blocks = blocks("target")
+        self.drafter_blocks = blocks("drafter") if r.drafter is not None else None
         self.scheduler = RequestScheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                           self.target_blocks, self.drafter_blocks, gamma=r.gamma,
-                                          block_size=block, chunk_size=config.chunk_size,
+                                          block_size=r.block_size, chunk_size=config.chunk_size,
                                           watermark=config.watermark)
-        self.requests = {}
 
-    # -- requests ------------------------------------------------------------------------------
-
-    def add_request(self, prompt, params=None) -> int:
-        """Checks and queues one request; returns its id. Bad input raises ValueError naming the
-        argument, and nothing else is affected."""
-        from ..sampling_params import SamplingParams
-        req = self.decoder._make_request(len(self.requests), prompt, params or SamplingParams())
-        return self._add(req)
-
-    def _add(self, req) -> int:
-        """Queues a request the Decoder already checked (Decoder.generate checks a whole batch
-        before queueing any)."""
-        self.scheduler.add(req)
-        self.requests[req.request_id] = req
-        return req.request_id
-
-    def abort(self, request_id: int) -> bool:
-        """Drops a request wherever it is; its pages go back to the pool."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        self.scheduler.abort(request_id)
-        req.finish_reason = "abort"
-        return True
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    # -- one step ------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.config.num_pages
 
     @property
     def owns_caches(self) -> bool:
         return getattr(self.runner, "owner", None) is self
 
+    # -- requests ----------------------------------------------------------------------------
+
+    def make_request(self, prompt, params=None, index=0):
+        """A checked Request, not queued (errors name request `index` and the argument)."""
+        with self._lock:
+            rid = next(self._ids)
+        return self.processor.request(index, prompt, params if params is not None else SamplingParams(),
+                                      rid, self.seed, rid + 1)
+
+    def add_request(self, prompt, params=None) -> int:
+        """Checks and queues one request; returns its id. Bad input raises ValueError naming the
+        argument, and nothing else is affected."""
+        return self.add(self.make_request(prompt, params))
+
+    def add(self, req) -> int:
+        """Queues a request from make_request."""
+        with self._lock:
+            self.scheduler.add(req)
+            self.requests[req.request_id] = req
+        return req.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drops a request wherever it is; its pages go back to the pool."""
+        with self._lock:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                return False
+            self.scheduler.abort(request_id)
+            self.processor.abort(req)
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def pages_needed(self, reqs) -> int:
+        """Pages per cache that hold these requests' whole lifetimes at once."""
+        pages = self.target_blocks.pages_for
+        target = sum(pages(self.scheduler.lifetime(q)[0]) for q in reqs)
+        drafter = sum(pages(self.scheduler.lifetime(q)[1]) for q in reqs) if self.drafter_blocks else 0
+        return max(target, drafter)
+
+    def resize(self, config: EngineConfig):
+        """New caches and block managers (the prefix cache starts empty); only when idle."""
+        with self._lock:
+            if self.has_unfinished():
+                raise RuntimeError("Engine.resize: requests are still running")
+            self._build(config)
+
+    def output(self, req) -> RequestOutput:
+        return self.processor.output(req)
+
+    # -- one step ----------------------------------------------------------------------------
+
     def step(self) -> list[StepOutput]:
-        if not self.owns_caches:
-            raise RuntimeError("Engine.step: a newer Engine on the same Decoder replaced this one's "
-                               "KV caches; use that Engine")
-        out = self.scheduler.schedule()
-        before = {rid: len(r.output_ids) for rid, r in self.requests.items()}
-        errors = {}
-        for req in out.preempted:  # re-prefill rebuilds both caches; the anchor is kept
-            req.anchor = req.output_ids[-1] if req.output_ids else -1
-        if out.prefills:
-            errors.update(self._prefill(out.prefills))
-        if out.decodes:
-            errors.update(self._decode(out.decodes))
-        results = []
-        for rid, req in list(self.requests.items()):
-            new = req.output_ids[before.get(rid, 0):]
-            if not (new or req.finished or rid in errors):
-                continue
-            if rid in errors:
-                req.finish_reason, req.error = "error", errors[rid]
-            done = req.finished
-            if done:
-                self.scheduler.finish(rid)
-                del self.requests[rid]
-            results.append(StepOutput(rid, list(new), done,
-                                      self.decoder._output(req) if done else None, errors.get(rid)))
-        return results
+        with self._lock:
+            if not self.owns_caches:
+                raise RuntimeError("Engine.step: a newer Engine on the same runner replaced this "
+                                   "one's KV caches; use that Engine")
+            out = self.scheduler.schedule()
+            before = {rid: len(r.output_ids) for rid, r in self.requests.items()}
+            errors = {}
+            if out.prefills:
+                errors.update(self._prefill(out.prefills))
+            if out.decodes:
+                errors.update(self._decode(out.decodes))
+            results = []
+            for rid, req in list(self.requests.items()):
+                new = req.output_ids[before.get(rid, 0):]
+                if not (new or req.finished or rid in errors):
+                    continue
+                if rid in errors:
+                    self.processor.fail(req, errors[rid])
+                if req.finished:
+                    self.scheduler.finish(rid)
+                    del self.requests[rid]
+                results.append(StepOutput(rid, list(new), req.finished,
+                                          self.output(req) if req.finished else None, errors.get(rid)))
+            return results
+
+    def _batch(self, reqs) -> SeqBatch:
+        """What the runner reads of these requests (caps: drafts each may verify, so that its
+        target token fits max_tokens and the chain the context)."""
+        max_len = self.runner.max_len
+        return SeqBatch([r.kv_len for r in reqs], [r.ctx_len for r in reqs],
+                        [r.target_pages for r in reqs], [r.drafter_pages for r in reqs],
+                        [r.anchor for r in reqs],
+                        [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len)) for r in reqs],
+                        [r.params for r in reqs], [r.seed for r in reqs], [r.stream for r in reqs],
+                        [len(r.output_ids) if r.params.coupled else r.round for r in reqs])
 
     def _prefill(self, chunks) -> dict:
-        runner, dec = self.runner, self.decoder
         reqs = [c.req for c in chunks]
-        logits = runner.prefill_chunks(reqs, [c.start for c in chunks], [c.end for c in chunks],
-                                       [list(all_tokens(c.req)[c.start:c.end]) for c in chunks],
-                                       [min(c.num_tokens, max(0, c.target_from - c.start))
-                                        for c in chunks])
+        batch = self._batch(reqs)
+        logits = self.runner.prefill(batch, [c.start for c in chunks], [c.end for c in chunks],
+                                     [list(all_tokens(c.req)[c.start:c.end]) for c in chunks],
+                                     [min(c.num_tokens, max(0, c.target_from - c.start))
+                                      for c in chunks])
+        for c in chunks:  # a request resumed after preemption keeps its anchor: nothing to sample
+            self.scheduler.prefilled(c)
         first = [i for i, c in enumerate(chunks) if c.is_last and not c.req.output_ids]
-        for c in chunks:
-            if c.is_last and c.req.output_ids:  # resumed after preemption: nothing to sample
-                c.req.anchor = c.req.output_ids[-1]
         if not first:
             return {}
         sel = [reqs[i] for i in first]
-        lg, toks, failed = runner.sample_first(sel, logits[first])
-        errors = {r.request_id: _BAD_LOGITS for r, f in zip(sel, failed) if f}
-        ok = [i for i, f in enumerate(failed) if not f]
-        dec._apply([sel[i] for i in ok], [toks[i] for i in ok], lg, ok)
-        return errors
+        raw, toks, failed = first_token(self.runner, batch.select(first), logits[first])
+        self._commit(sel, toks, failed, raw, list(range(len(sel))))
+        return {r.request_id: _BAD_LOGITS for r, f in zip(sel, failed) if f}
 
     def _decode(self, reqs) -> dict:
-        runner, dec = self.runner, self.decoder
-        starts = [r.kv_len for r in reqs]
-        res = runner.step(reqs)
-        # A request whose target logits hold NaN or +inf fails alone; the others go on.
-        errors = {r.request_id: _BAD_LOGITS for r, f in zip(reqs, res.failed) if f}
-        if dec.round_log is not None:
-            dec.round_log.append(dec._log_entry(reqs, res))
-        ok = [i for i, f in enumerate(res.failed) if not f]
-        cu = res.cu_rows
-        emitted = dec._apply([reqs[i] for i in ok], [res.out_tokens[i] for i in ok], res.logits,
-                             [cu[i] for i in ok], [res.lengths[i] for i in ok])
-        keep = [(i, n) for i, n in zip(ok, emitted) if not reqs[i].finished]
-        runner.commit_context([reqs[i] for i, _ in keep], [starts[i] for i, _ in keep],
-                              [n for _, n in keep], res.features, [cu[i] for i, _ in keep])
-        return errors
+        reads = self.runner.host_reads
+        res = self.round(self.runner, self._batch(reqs), self.policy, self.calibration)
+        self.num_rounds += 1
+        self.round_host_reads += self.runner.host_reads - reads
+        if self.round_log is not None:
+            self.round_log.append(self._log_entry(reqs, res))
+        self._commit(reqs, res.out_tokens, res.failed, res.logits, res.cu_rows[:-1], res.lengths)
+        for r, f, a in zip(reqs, res.failed, res.num_accepted):
+            if not f:  # anchor and accepted drafts entered both caches
+                self.scheduler.decoded(r, a + 1)
+        # a request whose target logits hold NaN or +inf fails alone; the others go on
+        return {r.request_id: _BAD_LOGITS for r, f in zip(reqs, res.failed) if f}
 
-    # -- streaming -----------------------------------------------------------------------------
+    def _commit(self, reqs, tokens, failed, logits, row_starts, lengths=None):
+        ok = [i for i, f in enumerate(failed) if not f]
+        lp = self.processor.logprobs([reqs[i] for i in ok], [tokens[i] for i in ok], logits,
+                                     [row_starts[i] for i in ok], self.runner.to_host)
+        for j, i in enumerate(ok):
+            self.processor.commit(reqs[i], tokens[i], lp.get(j),
+                                  None if lengths is None else lengths[i])
+
+    def _log_entry(self, reqs, res) -> dict:
+        return {"request_ids": [r.request_id for r in reqs], "lengths": list(res.lengths),
+                "accepted": list(res.num_accepted),
+                "conf_logit": None if res.conf_logit is None
+                else self.runner.to_host(res.conf_logit.float())}
+
+    # -- loops -------------------------------------------------------------------------------
+
+    def run(self, reqs, *, use_tqdm=True, desc="dspark_rt") -> list[RequestOutput]:
+        """Queues checked requests and steps until all finish."""
+        self.add_all(reqs)
+        return self.drive(reqs, use_tqdm=use_tqdm, desc=desc)
+
+    def add_all(self, reqs):
+        """Queues checked requests: all, or none if one does not fit."""
+        with self._lock:
+            try:
+                for q in reqs:
+                    self.add(q)
+            except ValueError:
+                for q in reqs:
+                    self.abort(q.request_id)
+                raise
+
+    def drive(self, reqs, *, use_tqdm=True, desc="dspark_rt") -> list[RequestOutput]:
+        """Steps until these queued requests finish (other requests advance too); on an
+        interrupt nothing of them stays queued or holds pages."""
+        bar = tqdm(total=sum(q.params.max_tokens for q in reqs), desc=desc, unit="tok",
+                   disable=not use_tqdm)
+        try:
+            while any(not q.finished for q in reqs):
+                outs = self.step()
+                bar.update(sum(len(o.new_token_ids) for o in outs))
+                if use_tqdm and self.runner.gamma:
+                    tau = SpecMetrics.merged(q.metrics for q in reqs).mean_acceptance_length
+                    bar.set_postfix(tau=f"{tau:.2f}", refresh=False)
+        finally:
+            bar.close()
+            for q in reqs:
+                if not q.finished and self.owns_caches:
+                    self.abort(q.request_id)
+        return [self.output(q) for q in reqs]
 
     def stream(self, prompt, params=None):
         """Adds one request and yields StepOutput deltas for it until it finishes (other queued
         requests advance too)."""
-        return self._stream(self.requests[self.add_request(prompt, params)])
+        return self.stream_request(self.requests[self.add_request(prompt, params)])
 
-    def _stream(self, req):
-        """Deltas read from the request itself, so that several streams (or a generate call)
-        stepping the same Engine never take each other's tokens. Closing the generator early
-        aborts the request."""
+    def stream_request(self, req):
+        """Deltas of a queued request, read from the request itself, so that several streams (or
+        a run) stepping the same Engine never take each other's tokens. Closing the generator
+        early aborts the request."""
         sent = 0
         try:
             while True:
@@ -179,7 +285,7 @@ class Engine:
                     sent += len(new)
                     done = req.finished
                     yield StepOutput(req.request_id, list(new), done,
-                                     self.decoder._output(req) if done else None, req.error)
+                                     self.output(req) if done else None, req.error)
                     if done:
                         return
                 self.step()

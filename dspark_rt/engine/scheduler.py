@@ -18,12 +18,12 @@ class SchedRequest:
     """The fields the scheduler uses (dspark_rt.request.Request has them too; max_tokens may
     instead be params.max_tokens).
 
-    Engine maintains: output_ids (append committed tokens), kv_len and ctx_len (advance after
-    every prefill chunk and round; positions 0..kv_len-1 are in the target cache, 0..ctx_len-1
-    have drafter context). Between steps a decoding request has kv_len == ctx_len ==
-    len(prompt_ids) + len(output_ids) - 1, its anchor being output_ids[-1].
-    Scheduler maintains: target_pages, drafter_pages (copies of the block tables, set for every
-    scheduled request), and resets kv_len = ctx_len = 0 and the pages on preemption."""
+    The engine appends committed tokens to output_ids and reports progress through
+    prefilled() and decoded(). The scheduler is the one writer of kv_len and ctx_len
+    (positions 0..kv_len-1 are in the target cache, 0..ctx_len-1 have drafter context; between
+    steps a decoding request has kv_len == ctx_len == len(prompt_ids) + len(output_ids) - 1, its
+    anchor being output_ids[-1]) and of target_pages, drafter_pages (copies of the block tables,
+    set for every scheduled request); preemption resets all four."""
     request_id: object
     prompt_ids: list[int]
     max_tokens: int
@@ -148,10 +148,8 @@ class RequestScheduler:
             raise ValueError(f"request {rid!r} is already scheduled")
         if not req.prompt_ids:
             raise ValueError(f"request {rid!r}: empty prompt")
-        # The most a request ever holds (kv_len <= P + max_tokens - 2 while it decodes): it
-        # must fit alone, or no amount of preemption lets it finish.
-        top = len(req.prompt_ids) + _max_tokens(req)
-        for bm, n in ((self.target, top + self.gamma), (self.drafter, top + self.drafter_reach)):
+        # The most a request ever holds must fit alone, or no preemption lets it finish.
+        for bm, n in zip((self.target, self.drafter), self.lifetime(req)):
             if bm is not None and bm.pages_for(n) > bm.num_pages:
                 raise ValueError(f"request {rid!r}: up to {n} positions need {bm.pages_for(n)} "
                                  f"pages of {bm.page_size}, the {bm.name} cache has {bm.num_pages}")
@@ -161,6 +159,23 @@ class RequestScheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
+
+    def lifetime(self, req) -> tuple[int, int]:
+        """Positions the request holds at most in the target and the drafter cache (kv_len <=
+        P + max_tokens - 2 while it decodes, plus a round's chain or the drafter's block)."""
+        top = len(req.prompt_ids) + _max_tokens(req)
+        return top + self.gamma, top + self.drafter_reach
+
+    def prefilled(self, chunk: "PrefillChunk") -> None:
+        """The engine ran the chunk: its positions are in both caches."""
+        req = chunk.req
+        req.kv_len, req.ctx_len = max(req.kv_len, chunk.end), chunk.end
+
+    def decoded(self, req, n: int) -> None:
+        """The engine committed a round of the request: anchor + accepted drafts, n positions,
+        are in the target cache and (written by the round) in the drafter context."""
+        req.kv_len += n
+        req.ctx_len = req.kv_len
 
     def __contains__(self, request_id) -> bool:
         return request_id in self._live

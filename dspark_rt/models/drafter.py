@@ -12,7 +12,7 @@ from torch import nn
 
 from ..checkpoint import Checkpoint, drafter_specs, resolve_dtype
 from ..config import DrafterConfig
-from ..kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache
 from .batch import AttnMeta
 from .qwen3 import DecoderLayer, Qwen3Model, RMSNorm, Rotary, build
 

@@ -14,7 +14,7 @@ from torch import nn
 from .. import ops
 from ..checkpoint import Checkpoint, resolve_dtype, target_specs
 from ..config import TargetConfig
-from ..kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache
 from .batch import AttnMeta
 
 __all__ = ["Qwen3Model", "RMSNorm", "Rotary", "DecoderLayer", "apply_rope", "rope_inv_freq",

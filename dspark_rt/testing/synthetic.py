@@ -9,17 +9,18 @@ by the accepted drafts plus the target's greedy token at the first unaccepted ro
 logits the scheduler sees are set to logit(accept_prob), so calibrated survival equals the true
 survival of this synthetic process.
 
-The output is NOT the target model's. Nothing in Decoder, SamplingParams or the CLI reaches this
-module: a benchmark calls install() on a Decoder it built, and install() warns.
+The output is NOT the target model's. It is a Round subclass (SyntheticRound) that a benchmark
+installs on a Decoder's engine with install(), which warns; nothing in the serving path knows it.
 """
 import math
 import warnings
 
 import torch
 
-from .policy import Calibration
+from ..policies import Calibration
+from ..runner.round import Round
 
-__all__ = ["SyntheticAcceptance", "install", "uninstall"]
+__all__ = ["SyntheticAcceptance", "SyntheticRound", "install", "uninstall"]
 
 
 class SyntheticAcceptance:
@@ -76,22 +77,39 @@ class SyntheticAcceptance:
         return a.int(), out
 
 
+class SyntheticRound(Round):
+    """A Round whose confidences and acceptance come from a SyntheticAcceptance."""
+
+    def __init__(self, synthetic: SyntheticAcceptance):
+        self.synthetic = synthetic
+
+    def confidences(self, draft):
+        R, gamma = draft.tokens.shape
+        return self.synthetic.conf_logit(R, gamma, draft.tokens)
+
+    def sample(self, runner, draft, plan, logits, rng):
+        if draft is None:
+            return super().sample(runner, draft, plan, logits, rng)
+        lengths = plan.device[0] if plan.device is not None else runner.upload(plan.lengths, torch.int64)
+        return self.synthetic.accept(draft.tokens, lengths, logits, plan.meta.cu_q)
+
+
 def install(decoder, accept_prob, *, seed: int = 0) -> SyntheticAcceptance:
-    """Replaces acceptance in every later round of this Decoder (benchmarks only)."""
-    runner = decoder.runner
-    if runner.gamma == 0:
+    """Replaces acceptance in every later round of this Decoder's engine (benchmarks only)."""
+    eng = decoder.engine
+    if eng.runner.gamma == 0:
         raise ValueError("synthetic acceptance needs a drafter (mode 'dflash' or 'dspark')")
     syn = SyntheticAcceptance(accept_prob, seed)
-    syn._alpha(runner.gamma, "cpu")  # enough positions
-    warnings.warn("dspark_rt.synthetic: acceptance is drawn from a given distribution; outputs "
-                  "are not the target model's (benchmark mode)", stacklevel=2)
-    runner.synthetic = syn
-    runner.calibration = Calibration.identity(runner.gamma)
+    syn._alpha(eng.runner.gamma, "cpu")  # enough positions
+    warnings.warn("dspark_rt.testing.synthetic: acceptance is drawn from a given distribution; "
+                  "outputs are not the target model's (benchmark mode)", stacklevel=2)
+    eng.round = SyntheticRound(syn)
+    eng.calibration = Calibration.identity(eng.runner.gamma)
     return syn
 
 
 def uninstall(decoder, calibration: Calibration | None = None):
     """Back to real acceptance (with the given calibration, or none)."""
-    runner = decoder.runner
-    runner.synthetic = None
-    runner.calibration = calibration or Calibration.identity(max(runner.gamma, 1))
+    eng = decoder.engine
+    eng.round = Round()
+    eng.calibration = calibration or Calibration.identity(max(eng.runner.gamma, 1))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .policy import Calibration
+from .base import Calibration
 
 FORMAT = "dspark_rt.sts"
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 121)  # ~5 % apart

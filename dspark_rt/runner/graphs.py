@@ -29,8 +29,10 @@ import os
 
 import torch
 
-from . import ops
-from .models.batch import AttnMeta
+from .. import ops
+from ..models.batch import AttnMeta
+from .batch import pages_for
+from .forward import draft_forward
 
 __all__ = ["GraphRunner", "StaticBatch", "default_buckets", "capture_problem"]
 
@@ -162,15 +164,15 @@ class GraphRunner:
     @classmethod
     def from_runner(cls, runner, **kw):
         """A GraphRunner for a Runner's models, mode and page size (keywords override)."""
-        drafted = runner.mode != "ar"
-        slack = runner.gamma + (runner.drafter.block_size if drafted else 0) + 2
+        # the widest block table: a chain or a drafter block reaching past the context's end
+        reach = max(runner.gamma + 1, runner.block_size)
         args = dict(capture_layers=runner.capture, logits_dtype=runner.logits_dtype,
-                    head=runner.head, head_weights=runner._head_weights,
-                    max_pages=-(-(runner.max_len + slack) // runner.page_size),
+                    head=runner.head, head_weights=runner.head_weights,
+                    max_pages=pages_for(runner.max_len + reach, runner.page_size),
                     max_batch=128,
                     max_verify_tokens=min(1024, kw.get("max_batch", 128) * (runner.gamma + 1)))
         args.update(kw)
-        return cls(runner.target, runner.drafter if drafted else None, **args)
+        return cls(runner.target, runner.drafter, **args)
 
     def _init_draft_buffers(self, max_pages):
         d, dev = self.drafter, self.device
@@ -302,31 +304,6 @@ class GraphRunner:
 
     # -- draft -------------------------------------------------------------------------------
 
-    def _draft_forward(self, anchor, positions, meta, cache, rng, live=None, out=None):
-        """Runner.draft's computation for R requests: the block [anchor, mask, ..] through the
-        drafter, hidden of the gamma draft slots through the LM head (U [R, gamma, V]), then
-        markov_sample. live [R] bool: False rows (padding) get zero hidden, so their logits are
-        finite and their tokens in range whatever the unowned rows held. out: (tokens, z, lse,
-        conf) buffers to write instead of returning fresh tensors.
-        Returns (tokens [R, gamma] int64, z [R, gamma, V], lse [R, gamma], conf_logit [R, gamma])."""
-        d, B, gamma, R = self.drafter, self.block_size, self.gamma, anchor.shape[0]
-        ids = torch.full((R, B), d.mask_token_id, dtype=torch.int64, device=anchor.device)
-        ids[:, 0] = anchor
-        hidden = d.forward_block(ids.view(-1), positions, meta, cache).view(R, B, -1)
-        h = hidden[:, :gamma] if d.layout == "anchor_first" else hidden[:, 1:]
-        h = h.contiguous() if live is None else torch.where(live[:, None, None], h, 0)
-        U = self.target.lm_head(h.reshape(R * gamma, -1)).to(self.logits_dtype).view(R, gamma, -1)
-        if out is not None:
-            out[1].copy_(U)
-            U = out[1]
-        tokens, _, lse, conf = ops.markov_sample(U, h.to(self.logits_dtype), anchor, self.head,
-                                                 **self.head_weights, **rng)
-        if out is None:
-            return tokens, U, lse, conf
-        for dst, src in zip((out[0], out[2], out[3]), (tokens, lse, conf)):
-            dst.copy_(src)
-        return out
-
     def _draft_bucket(self, r_b: int) -> _Bucket:
         if r_b not in self._draft:
             _, pos, meta = self.dbuf.view(r_b * self.block_size, r_b, False)
@@ -337,8 +314,9 @@ class GraphRunner:
             def fn():
                 """Writes tokens_out, z_out, lse_out, conf_out [:r_b]; padding requests are
                 those with kv_len 0 (a real block has kv_len >= block_size)."""
-                return self._draft_forward(anchor, pos, meta, cache, rng,
-                                           live=meta.kv_lens > 0, out=out)
+                return draft_forward(self.target, self.drafter, self.head, self.head_weights,
+                                     self.logits_dtype, anchor, pos, meta, cache, rng,
+                                     live=meta.kv_lens > 0, out=out)
 
             self._draft[r_b] = _Bucket(fn)
         return self._draft[r_b]
@@ -355,7 +333,7 @@ class GraphRunner:
     def draft(self, anchor, positions, meta: AttnMeta, cache, rng: dict):
         """Runner.draft after its metadata: anchor [R] int64; positions [R * block_size] int64
         and meta (bidirectional) of each request's block; rng: temperature [R] float32, seed,
-        stream, round_ [R] int64, coupled [R] uint8 (Runner._rng). Returns (tokens [R, gamma]
+        stream, round_ [R] int64, coupled [R] uint8 (Runner.rng). Returns (tokens [R, gamma]
         int64, z [R, gamma, V], lse [R, gamma], conf_logit [R, gamma]), bucketed by R, eager
         when R or the block-table width do not fit (and for the rnn head)."""
         if self.drafter is None:
@@ -364,7 +342,8 @@ class GraphRunner:
         r_b = self._pick(self.draft_buckets, R)
         if r_b is None or w > self.dbuf.max_pages or meta.causal or not self.draft_capturable:
             self.stats["draft_eager"] += 1
-            return self._draft_forward(anchor, positions, meta, cache, rng)
+            return draft_forward(self.target, self.drafter, self.head, self.head_weights,
+                                 self.logits_dtype, anchor, positions, meta, cache, rng)
         self._bind(dcache=cache)
         self._load_draft(r_b, anchor, positions, meta, rng)
         tokens, z, lse, conf = self._run(self._draft_bucket(r_b))

@@ -13,14 +13,14 @@ import json
 import time
 from pathlib import Path
 
-from . import testing
+from .. import testing
 from .calibrate import round_arrays
-from .decoder import Decoder
-from .outputs import SpecMetrics
-from .sampling_params import SamplingParams
-from .sts import _nan_to_none
+from ..decoder import Decoder
+from ..outputs import SpecMetrics
+from ..sampling_params import SamplingParams
+from ..policies.sts import _nan_to_none
 
-PRETRAINED = Path(__file__).resolve().parent / "pretrained"
+PRETRAINED = Path(__file__).resolve().parents[1] / "pretrained"
 CALIBRATION = "dspark_calibration.json"
 MODES = ("ar", "dflash", "dspark")
 
@@ -93,9 +93,7 @@ def _run_mode(mode, target, drafter, calibration, prompts, params, device, progr
     t0 = time.perf_counter()
     outs = dec.generate(prompts, params, use_tqdm=progress)
     secs = time.perf_counter() - t0
-    m = SpecMetrics(dec.runner.gamma)
-    for o in outs:
-        m.merge(o.metrics)
+    m = SpecMetrics.merged(o.metrics for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
     r = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs, **m.as_dict(),
          "samples": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids} for o in outs]}
@@ -105,11 +103,11 @@ def _run_mode(mode, target, drafter, calibration, prompts, params, device, progr
 def _calibration_stats(dec, out: Path, plots: dict):
     """Pooled / per-position ECE of the calibrated survivals, and the reliability diagram."""
     from .evaluate import calibration_metrics
-    from .sts import reliability_diagram
+    from ..policies.sts import reliability_diagram
     conf, ver, acc = round_arrays(dec.round_log)
     if conf is None or not (ver > 0).any():
         return None
-    temps = list(dec.runner.calibration.temperatures[: dec.runner.gamma])
+    temps = list(dec.engine.calibration.temperatures[: dec.runner.gamma])
     c = calibration_metrics(conf, ver, acc, temps)
     plots["reliability"] = str(reliability_diagram(conf, acc, ver, temps, out / "reliability.png"))
     return {"temperatures": temps, "ece": c["pooled"]["ece"], "auc": c["pooled"]["auc"],

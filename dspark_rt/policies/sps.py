@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .env_info import nvml_state
+from ..nvml import nvml_state
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class SPSProfile:
 
 
 def gpu_state(index: int = 0) -> dict | None:
-    """NVML state of GPU `index` (env_info.nvml_state) plus active throttle reasons, or None."""
+    """NVML state of GPU `index` (dspark_rt.nvml) plus active throttle reasons, or None."""
     gpus = nvml_state()
     if index >= len(gpus):
         return None

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from .calibrate import decode_logged, prompts_for, round_arrays
-from .decoder import Decoder
-from .outputs import SpecMetrics
+from ..decoder import Decoder
+from ..outputs import SpecMetrics
 from .prompts import existing_file, read_turns
-from .sampling_params import SamplingParams
-from .sts import _nan_to_none, auc, brier, ece, reliability_diagram, survivals
+from ..sampling_params import SamplingParams
+from ..policies.sts import _nan_to_none, auc, brier, ece, reliability_diagram, survivals
 
 
 def calibration_metrics(conf, verified, accepted, temperatures, n_bins: int = 15) -> dict:
@@ -59,13 +59,6 @@ def plot_acceptance(by_position: list[float], path, title: str) -> Path:
     return Path(path)
 
 
-def _merged(outs, gamma) -> SpecMetrics:
-    m = SpecMetrics(gamma)
-    for o in outs:
-        m.merge(o.metrics)
-    return m
-
-
 def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
              threshold: float = 0.5, calibration=None, sps=None, out_dir="out/eval",
              max_tokens: int = 128, limit: int | None = None, temperature: float = 0.0,
@@ -80,8 +73,8 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     dec = Decoder.from_pretrained(target, drafter, mode=mode, policy="fixed", device=device,
                                   dtype=dtype)
     if policy in ("sync", "async") and sps is None:
-        from .profiling import load_or_profile
-        sps = load_or_profile(dec, progress=progress)
+        from ..runner.profiling import load_or_profile
+        sps = load_or_profile(dec.runner, progress=progress)
     if policy != "fixed" or calibration is not None:  # reuse the loaded weights
         kw = {"threshold": threshold} if policy == "threshold" else {}
         dec = Decoder(dec.target, dec.drafter, dec.tokenizer, mode=dec.mode, policy=policy,
@@ -91,12 +84,12 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     outs, log, seconds = decode_logged(dec, prompts, params, batch_size=batch_size,
                                        progress=progress, desc=f"eval {dec.mode}/{policy}")
     gamma = dec.runner.gamma
-    m = _merged(outs, gamma)
+    m = SpecMetrics.merged(o.metrics for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
     summary = {"target": str(target), "drafter": str(drafter), "prompts": str(prompts_file),
                "mode": dec.mode, "policy": policy if dec.mode == "dspark" else "fixed",
                "calibration": None if calibration is None else str(calibration),
-               "temperatures": list(dec.runner.calibration.temperatures[:gamma]),
+               "temperatures": list(dec.engine.calibration.temperatures[:gamma]),
                "dtype": str(dec.target.dtype).removeprefix("torch."), "device": str(dec.device),
                "n_prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,

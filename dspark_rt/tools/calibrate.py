@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .decoder import Decoder
+from ..decoder import Decoder
 from .prompts import fit_length, load_prompts, read_turns
-from .sampling_params import SamplingParams
-from .sts import STSResult, fit_sts, reliability_diagram
+from ..sampling_params import SamplingParams
+from ..policies.sts import STSResult, fit_sts, reliability_diagram
 
 DEFAULT_NAME = "dspark_calibration.json"
 

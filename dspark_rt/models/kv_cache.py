@@ -1,17 +1,17 @@
-"""Paged KV cache storage and a minimal page allocator.
+"""Paged KV cache storage (the engine's block managers hand out its pages).
 
 A slot is `page * page_size + offset`; request r's key l lives at page block_tables[r, l //
 page_size], offset l % page_size (the layout ops.verify_attention reads).
 """
 import torch
 
-from . import ops
+from .. import ops
 
-__all__ = ["PagedKVCache", "PageAllocator", "KVCacheError"]
+__all__ = ["PagedKVCache", "KVCacheError"]
 
 
 class KVCacheError(RuntimeError):
-    """Bad use of the cache or the allocator (exhaustion, double free, bad shapes)."""
+    """Bad use of the cache (bad sizes or shapes)."""
 
 
 class PagedKVCache:
@@ -53,41 +53,3 @@ class PagedKVCache:
         """Poisons every slot (tests fill with NaN to catch reads of slots nobody wrote)."""
         self.k_all.fill_(value)
         self.v_all.fill_(value)
-
-
-class PageAllocator:
-    """Hands out page ids 0..num_pages-1, deterministically: never-used pages lowest id first,
-    freed pages are reused first (LIFO)."""
-
-    def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise KVCacheError(f"PageAllocator: num_pages must be >= 1, got {num_pages}")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
-        self._used = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list:
-        if n < 0:
-            raise KVCacheError(f"PageAllocator.allocate: n must be >= 0, got {n}")
-        if n > len(self._free):
-            raise KVCacheError(f"PageAllocator.allocate: out of pages: {n} requested, "
-                               f"{len(self._free)} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
-        return pages
-
-    def free(self, pages):
-        pages = [int(p) for p in pages]
-        if len(set(pages)) != len(pages):
-            raise KVCacheError(f"PageAllocator.free: page ids repeat in {pages}")
-        for p in pages:
-            if p not in self._used:
-                what = "out of range" if not 0 <= p < self.num_pages else "not allocated (double free?)"
-                raise KVCacheError(f"PageAllocator.free: page {p} is {what}")
-        for p in pages:
-            self._used.remove(p)
-            self._free.append(p)

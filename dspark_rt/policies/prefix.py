@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import ops
-from .policy import VerifyPolicy
+from .. import ops
+from .base import VerifyPolicy
 from .sps import SPSProfile
 
 
@@ -164,12 +164,12 @@ class AsyncScheduler(_Scheduler):
         a = candidates(survival, cap, gamma)
         K, source = self.next_budget(a.shape[0], gamma)
         lengths = self.admit(a, K)
-        return self.observe(a, lengths, K, source).to(cap.device)
+        return self._plan(a, lengths, K, source).to(cap.device)
 
-    # The same three steps with the admission on the device (the runner's path: the round's
-    # lengths never visit the host before the verify forward, whose size R + K is known).
+    # The same three steps with the admission on the device (the round's path: the lengths
+    # never visit the host before the verify forward, whose size R + K is known).
 
-    device_lengths = True
+    admits_on_device = True
 
     def next_budget(self, R: int, gamma: int) -> tuple[int, str]:
         """K for this round: planned `delay` rounds ago (scaled to this R), or R * gamma."""
@@ -194,9 +194,14 @@ class AsyncScheduler(_Scheduler):
         valid = torch.isfinite(a).long().cumprod(dim=1).sum(dim=1)
         return torch.minimum(ops.prefix_topk(a, K).long(), valid)
 
-    def observe(self, a: np.ndarray, lengths: np.ndarray, K: int, source: str) -> torch.Tensor:
-        """After admission, with the round's candidates on the host: plans the budget of round
-        t + delay and records last_stats. Returns the lengths as an int64 tensor."""
+    def observe(self, survival, cap, lengths, K: int, source: str) -> None:
+        """After the round's host read: plans the budget of round t + delay from this round's
+        survivals [R, gamma] and caps [R] (host tensors)."""
+        self._plan(candidates(survival, cap, survival.shape[1]), lengths, K, source)
+
+    def _plan(self, a: np.ndarray, lengths, K: int, source: str) -> torch.Tensor:
+        """Plans the budget of round t + delay on candidates a and records last_stats. Returns
+        the lengths as an int64 tensor."""
         planned = self.plan_budget(a)
         self._history.append((planned, a.shape[0]))
         return self._finish(a, np.asarray(lengths, dtype=np.int64), K, budget_source=source,

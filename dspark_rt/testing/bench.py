@@ -14,14 +14,9 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 _FLUSH = {}
 
@@ -120,7 +115,7 @@ def header(device) -> dict:
         info.update(gpu=p.name, sms=p.multi_processor_count, torch_cuda=torch.version.cuda,
                     memory_gib=round(p.total_memory / 2**30, 1))
         try:
-            from dspark_rt.env_info import nvml_state
+            from dspark_rt.nvml import nvml_state
             idx = torch.device(device).index or 0
             nv = [g for g in nvml_state() if g["index"] == idx]
             if nv:

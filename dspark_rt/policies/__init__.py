@@ -1,0 +1,23 @@
+"""Verify-length policies (DESIGN §4): fixed, threshold, and the hardware-aware prefix
+schedulers sync and async, which read the machine's throughput profile SPS(B) (sps.py);
+STS calibration of the confidences (sts.py)."""
+from .base import Calibration, VerifyPolicy
+from .prefix import AsyncScheduler, SyncScheduler
+from .rules import FixedPolicy, ThresholdPolicy
+
+POLICIES = {"fixed": FixedPolicy, "threshold": ThresholdPolicy, "sync": SyncScheduler,
+            "async": AsyncScheduler}
+
+
+def make_policy(policy, **kwargs) -> VerifyPolicy:
+    """policy: a name in POLICIES ("threshold" takes threshold=, "sync" and "async" take
+    sps=<SPSProfile or path>) or a VerifyPolicy instance."""
+    if isinstance(policy, VerifyPolicy):
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)} or a VerifyPolicy, got {policy!r}")
+    return POLICIES[policy](**kwargs)
+
+
+__all__ = ["Calibration", "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "SyncScheduler",
+           "AsyncScheduler", "POLICIES", "make_policy"]

@@ -1,0 +1,60 @@
+"""What a verify-length policy is: the protocol the round calls, and STS calibration.
+
+A policy sees, per round, the calibrated per-position confidences c_hat [R, gamma], the prefix
+survivals a = cumprod(c_hat) [R, gamma] and a per-request cap [R] (drafts the request may
+verify: its own target token must still fit), and returns lengths l_r in [0, min(gamma, cap_r)].
+It must not look at the draft tokens beyond what the confidences carry: that keeps acceptance
+lossless (DESIGN §4).
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Calibration:
+    """Sequential Temperature Scaling: c_hat_k = sigmoid(logit_k / t_k) (DESIGN §4)."""
+    temperatures: list[float]
+
+    @classmethod
+    def identity(cls, gamma: int) -> "Calibration":
+        return cls([1.0] * gamma)
+
+    def apply(self, conf_logit: torch.Tensor):
+        """conf_logit [R, gamma] -> (c_hat, survival), both float32 [R, gamma], on its device."""
+        gamma = conf_logit.shape[1]
+        if len(self.temperatures) < gamma:
+            raise ValueError(f"calibration has {len(self.temperatures)} temperatures, need {gamma}")
+        t = torch.tensor(self.temperatures[:gamma], dtype=torch.float64).to(conf_logit.device,
+                                                                             non_blocking=True)
+        c_hat = torch.sigmoid(conf_logit.to(torch.float64) / t)
+        return c_hat.float(), torch.cumprod(c_hat, dim=1).float()
+
+
+class VerifyPolicy:
+    """The protocol. Host policies implement lengths(); the round reads the confidences to the
+    host for them when needs_confidence is set. A policy with admits_on_device = True (async)
+    decides on the device instead, in three calls per round:
+
+        K, source = next_budget(R, gamma)                  budget, from earlier rounds only
+        lengths = admit_on_device(survival, cap, gamma, K)  [R] int64 on the device
+        observe(survival, cap, lengths, K, source)         after the round's one host read
+
+    (the round falls back to lengths() when a request filters its rows: top-k / top-p need the
+    rows on the host). A policy may keep state across rounds through observe()."""
+    name = "base"
+    needs_confidence = False
+    admits_on_device = False
+
+    def lengths(self, c_hat: torch.Tensor | None, survival: torch.Tensor | None,
+                cap: torch.Tensor, gamma: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def next_budget(self, R: int, gamma: int) -> tuple[int, str]:
+        raise NotImplementedError(f"policy {self.name!r} does not admit on the device")
+
+    def admit_on_device(self, survival, cap, gamma: int, K: int) -> torch.Tensor:
+        raise NotImplementedError(f"policy {self.name!r} does not admit on the device")
+
+    def observe(self, survival, cap, lengths: list[int], K: int, source: str) -> None:
+        """survival [R, gamma] and cap [R] on the host, the lengths the round verified."""

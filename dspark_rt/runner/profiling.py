@@ -1,0 +1,209 @@
+"""The machine's throughput profile SPS(B) of a model pair's rounds, measured and cached
+(DESIGN §4).
+
+What one timed call of the step function with B verify tokens runs: a real Round, the code the
+engine serves with, on a Runner of its own built from the model pair.
+
+* R = ceil(B / (gamma + 1)) requests (ar mode: R = B), taken from a pool of max_batch requests
+  whose synthetic prompts (seeded random token ids) of context_len tokens were prefilled once,
+  untimed.
+* The round: the drafter's block forward for the R requests, the sequential head and the
+  confidence head (ops.markov_sample), the target's ragged verify forward over chains of
+  1 + l_r tokens with sum_r (1 + l_r) = B (l_r as even as possible, l_r <= gamma), rejection
+  sampling, the one host read and the drafter context update of the accepted positions.
+
+Not timed: the verify-length policy (host numpy, microseconds; here the lengths are fixed) and
+the engine's per-request Python bookkeeping. A DFlash pair is profiled as a dspark round (the
+same drafter, head "none"), since only dspark mode lets lengths vary.
+
+The requests never advance: every call overwrites the same scratch KV slots right after the
+context, so the pool's KV memory stays at max_batch * (context_len + a block) tokens per cache.
+"""
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from ..policies import Calibration, VerifyPolicy
+from ..policies.sps import IDENTITY_FIELDS, SPSProfile, check_profile, gpu_state, measure_profile, profile_key
+from ..sampling_params import SamplingParams
+from .batch import SeqBatch, pages_for
+from .round import Round, first_token
+from .runner import Runner
+
+log = logging.getLogger(__name__)
+
+PREFILL_TOKENS = 8192  # per prefill forward while building the pool: bounds activation memory
+
+
+def _defaults(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"seconds": 30.0, "max_batch": 32, "context_len": 1024}
+    return {"seconds": 3.0, "max_batch": 8, "context_len": 128}
+
+
+def default_B_values(max_tokens: int) -> list[int]:
+    """Every B up to 32, every 4th up to 128, every 16th beyond, and max_tokens itself: dense
+    where one token changes the round's cost most, and always the largest B a scheduler may use."""
+    grid = list(range(1, 33)) + list(range(36, 129, 4)) + list(range(144, max_tokens + 1, 16))
+    return sorted({b for b in grid if b <= max_tokens} | {max_tokens})
+
+
+def _config_id(cfg) -> str:
+    """Folder name and a short hash of the config.json the model was loaded from."""
+    src = Path(cfg.source)
+    data = src.read_bytes() if src.is_file() else repr(cfg).encode()
+    return f"{src.parent.name}@{hashlib.sha256(data).hexdigest()[:12]}"
+
+
+def model_identity(runner: Runner, context_len: int) -> str:
+    """What the profile's rounds ran: target and drafter (name + config hash), mode, the pool's
+    context length and, on CPU, the host (a CPU profile has no NVML identity to key on)."""
+    parts = [_config_id(runner.target.config)]
+    if runner.drafter is not None:
+        parts.append(_config_id(runner.drafter.config))
+    s = "+".join(parts) + f"/{'ar' if runner.mode == 'ar' else 'dspark'}/ctx{context_len}"
+    if runner.device.type != "cuda":
+        s += f"/cpu:{platform.machine()}x{os.cpu_count()}"
+    return s
+
+
+def _gpu(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return gpu_state(device.index if device.index is not None else torch.cuda.current_device()) or {}
+
+
+class _FixedLengths(VerifyPolicy):
+    """The profiler's policy: the lengths it was told to verify (capped as usual)."""
+    name = "profile"
+
+    def __init__(self):
+        self.next = None
+
+    def lengths(self, c_hat, survival, cap, gamma):
+        return torch.minimum(self.next, cap)
+
+
+class RoundWorkload:
+    """A pool of prefilled synthetic requests and `step(B)`: one real round with B verify tokens,
+    on a Runner of its own over `runner`'s models (the engine's caches are untouched)."""
+
+    def __init__(self, runner: Runner, max_batch: int, context_len: int, seed: int = 0):
+        mode = "ar" if runner.mode == "ar" else "dspark"
+        self.runner = r = Runner(runner.target, runner.drafter, mode, runner.page_size, runner.device)
+        self.policy, self.calibration, self.round = _FixedLengths(), Calibration.identity(max(r.gamma, 1)), Round()
+        self.gamma = gamma = r.gamma
+        self.max_tokens = max_batch * (gamma + 1)
+        self.sync = torch.cuda.synchronize if r.device.type == "cuda" else None
+        V = r.target.config.vocab_size
+        g = torch.Generator().manual_seed(seed)
+        # every request holds context_len positions plus a round's chain or block: pages in a row
+        per = pages_for(context_len + max(gamma + 1, r.block_size) + 1, r.page_size)
+        r.allocate_caches(max_batch * per)
+        pages = [list(range(i * per, (i + 1) * per)) for i in range(max_batch)]
+        params = [SamplingParams(temperature=0)] * max_batch
+        prompts = [torch.randint(0, V, (context_len,), generator=g).tolist() for _ in range(max_batch)]
+        self.batch = SeqBatch([context_len] * max_batch, [context_len] * max_batch, pages, pages,
+                              [0] * max_batch, [gamma] * max_batch, params, [seed] * max_batch,
+                              list(range(1, max_batch + 1)), [1] * max_batch)
+        chunk = max(1, PREFILL_TOKENS // context_len)
+        for i in range(0, max_batch, chunk):
+            rows = list(range(i, min(i + chunk, max_batch)))
+            b = self.batch.select(rows)
+            logits = r.prefill(b, [0] * len(rows), [context_len] * len(rows),
+                               [prompts[j] for j in rows])
+            _, toks, _ = first_token(r, b, logits)
+            for j, t in zip(rows, toks):
+                self.batch.anchors[j] = t[0]
+
+    def step(self, B: int):
+        if not 1 <= B <= self.max_tokens:
+            raise ValueError(f"B must lie in [1, {self.max_tokens}], got {B}")
+        R = -(-B // (self.gamma + 1))
+        base, rem = divmod(B - R, R)
+        self.policy.next = torch.tensor([base + (i < rem) for i in range(R)], dtype=torch.int64)
+        self.round(self.runner, self.batch.select(list(range(R))), self.policy, self.calibration)
+
+    def release(self):
+        self.runner.tcache = self.runner.dcache = None
+
+
+def _resolve(runner: Runner, seconds, max_batch, context_len):
+    d = _defaults(runner.device)
+    seconds = d["seconds"] if seconds is None else float(seconds)
+    max_batch = d["max_batch"] if max_batch is None else int(max_batch)
+    room = runner.max_len - (runner.gamma + 2) - (runner.block_size + 2)  # chain and block fit
+    context_len = min(d["context_len"] if context_len is None else int(context_len), room)
+    if not 0 < seconds < float("inf") or max_batch < 1 or context_len < 1:
+        raise ValueError(f"need finite seconds > 0, max_batch >= 1 and a context that fits the "
+                         f"model ({runner.max_len} positions), got seconds={seconds}, "
+                         f"max_batch={max_batch}, context_len={context_len}")
+    return seconds, max_batch, context_len
+
+
+def runner_key(runner: Runner, *, max_batch: int | None = None, context_len: int | None = None) -> dict:
+    """The profile_key a profile of this runner's model pair measured now would carry."""
+    _, max_batch, context_len = _resolve(runner, 1.0, max_batch, context_len)
+    dtype = str(runner.target.dtype).removeprefix("torch.")
+    return profile_key(model_identity(runner, context_len), dtype, max_batch=max_batch,
+                       max_tokens=max_batch * (runner.gamma + 1), gpu=_gpu(runner.device))
+
+
+def profile_runner(runner: Runner, B_values=None, seconds: float | None = None,
+                   context_len: int | None = None, max_batch: int | None = None,
+                   progress: bool = True) -> SPSProfile:
+    """Measure SPS(B) of rounds of this runner's model pair (see the module docstring).
+
+    Defaults: 30 s, 32 requests of 1024 context tokens on CUDA; 3 s, 8 requests of 128 on CPU
+    (context_len is clamped to the model's context). B_values default to default_B_values of
+    max_batch * (gamma + 1), which is the profile's max_tokens."""
+    seconds, max_batch, context_len = _resolve(runner, seconds, max_batch, context_len)
+    key = runner_key(runner, max_batch=max_batch, context_len=context_len)
+    work = RoundWorkload(runner, max_batch, context_len)
+    try:
+        B_values = default_B_values(work.max_tokens) if B_values is None else list(B_values)
+        bad = [b for b in B_values if not 1 <= int(b) <= work.max_tokens]
+        if bad or not B_values:
+            raise ValueError(f"B_values must be non-empty and lie in [1, {work.max_tokens}] "
+                             f"(max_batch * (gamma + 1)), got {bad or B_values}")
+        return measure_profile(work.step, B_values, seconds, progress, sync=work.sync, key=key)
+    finally:
+        work.release()
+
+
+def cache_path(key: dict, cache_dir=None) -> Path:
+    """One file per identity: <cache_dir>/sps_<hash of IDENTITY_FIELDS>.json; cache_dir defaults
+    to $DSPARK_CACHE_DIR or ~/.cache/dspark_rt."""
+    cache_dir = Path(cache_dir or os.environ.get("DSPARK_CACHE_DIR") or "~/.cache/dspark_rt")
+    ident = json.dumps({f: key.get(f) for f in IDENTITY_FIELDS}, sort_keys=True)
+    return cache_dir.expanduser() / f"sps_{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+
+
+def load_or_profile(runner: Runner, cache_dir=None, *, B_values=None, seconds: float | None = None,
+                    context_len: int | None = None, max_batch: int | None = None,
+                    progress: bool = True) -> SPSProfile:
+    """A cached profile valid for this model pair on this machine now (sps.check_profile:
+    identity, SM clock, throttling), else a fresh profile_runner measurement, saved to the cache."""
+    key = runner_key(runner, max_batch=max_batch, context_len=context_len)
+    path = cache_path(key, cache_dir)
+    if path.is_file():
+        try:
+            cached = SPSProfile.load(path)
+        except (ValueError, KeyError, TypeError) as e:  # corrupt or foreign: measure again
+            log.warning("SPS profile %s unreadable (%s): re-profiling", path, e)
+        else:
+            chk = check_profile(cached, key, gpu=_gpu(runner.device))
+            if chk.profile is not None and not chk.reprofile:
+                log.info("SPS profile: reusing %s", path)
+                return chk.profile
+            log.warning("SPS profile %s: re-profiling (%s)", path, "; ".join(chk.reasons))
+    prof = profile_runner(runner, B_values, seconds, context_len, max_batch, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(path)
+    log.info("SPS profile saved to %s", path)
+    return prof

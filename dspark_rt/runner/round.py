@@ -1,0 +1,175 @@
+"""One DSpark round for a batch of decoding requests (DESIGN §2), and round 0 after a prefill.
+
+    draft    = runner.draft(...)            1-3. block forward, LM head, sequential + confidence head
+    lengths  = policy(calibrated conf)      4.   how many drafts each request verifies
+    logits   = runner.verify(chains)        5.   one ragged causal target forward
+    accepted = rejection_sample(...)        6.   lossless acceptance, one host read
+    runner.context_update(committed)        7.   drafter context of anchor + accepted drafts
+
+Every step is a method, so a benchmark can replace one (dspark_rt/testing: synthetic acceptance,
+phase timers) without a hook in the serving path. The round reads the device once (its results),
+twice when a host-side policy (threshold, sync) needs the confidences first; a policy that
+admits on the device (async) keeps the lengths there until the one read.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..policies import Calibration, VerifyPolicy
+from .batch import SeqBatch
+from .runner import Draft, Runner
+
+
+@dataclass
+class RoundResult:
+    """What one round produced, per request, on the host (one copy); logits stay on the device
+    (logprobs read them)."""
+    num_accepted: list[int]
+    out_tokens: list[list[int]]  # x_1 .. x_a, y (the emitted tokens)
+    failed: list[bool]           # NaN or +inf in one of the request's target rows
+    lengths: list[int]           # drafts verified
+    logits: torch.Tensor         # [N, V] target logits of the verify forward, raw (before
+                                 # top-k / top-p filtering)
+    cu_rows: list[int]           # [R + 1] rows of each request in logits
+    conf_logit: torch.Tensor | None  # [R, gamma] raw confidence logits (dspark with a head)
+
+
+@dataclass
+class Verify:
+    """Step 4's decision, and step 5's batch: ids, positions and metadata of the flat chains.
+    On the device path the lengths are a device tensor until the round's read."""
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object
+    lengths: list[int] | None        # host path
+    cu: list[int] | None             # host path: rows of request r are cu[r] .. cu[r+1]-1
+    device: tuple | None = None      # device path: (lengths [R], survival, K, source, cap, owner)
+
+
+class Round:
+    """The round as a callable: Round()(runner, batch, policy, calibration) -> RoundResult."""
+
+    def __call__(self, runner: Runner, batch: SeqBatch, policy: VerifyPolicy,
+                 calibration: Calibration) -> RoundResult:
+        rng = runner.rng(batch)  # Philox keys, one upload: the head and the acceptance read them
+        # 1-3. block [x0, m, .., m] -> h_k, U_k = lm_head(h_k); x_k ~ q_k = softmax((U_k +
+        #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k (no drafter: none)
+        draft = self.draft(runner, batch, rng) if runner.gamma else None
+        # 4. l_r from the calibrated survivals a_k = prod c_hat_i (never from the tokens: that
+        #    keeps it lossless), then the flat chains [x0, x_1 .. x_l] of every request
+        plan = self.schedule(runner, batch, draft, policy, calibration)
+        # 5. one ragged causal target forward over all chains: P_0 .. P_l, and the features
+        logits, feats = self.verify(runner, plan)
+        # 6. accept x_k w.p. min(1, P_{k-1}(x_k) / q_k(x_k)); emit y from the residual
+        #    max(0, P - q) at the first rejection, else the bonus y ~ P_l; one host read
+        res = self.accept(runner, batch, draft, plan, logits, rng, policy)
+        # 7. drafter context of the committed positions: the anchor and the accepted drafts
+        self.commit_context(runner, batch, res, feats)
+        return res
+
+    # 1-3. parallel draft, sequential head, confidences ---------------------------------------
+
+    def draft(self, runner: Runner, batch: SeqBatch, rng: dict) -> Draft:
+        return runner.draft(batch, rng)
+
+    # 4. verify lengths -------------------------------------------------------------------------
+
+    def schedule(self, runner, batch, draft: Draft | None, policy, calibration) -> Verify:
+        """l_r in [0, min(gamma, cap_r)] from the calibrated confidences alone (never the draft
+        tokens: that keeps acceptance lossless), and the flat chains [x0, x_1 .. x_l]."""
+        R, gamma = len(batch), runner.gamma
+        if draft is None:  # plain decoding: the chain is the anchor
+            meta, pos, cu = runner.meta(batch.target_pages, batch.kv_lens, [1] * R, True)
+            return Verify(runner.upload(batch.anchors, torch.int64), pos, meta, [0] * R, cu)
+        caps = [min(c, gamma) for c in batch.caps]
+        chains = torch.cat([draft.anchor[:, None], draft.tokens], 1)  # [R, gamma + 1]
+        conf = self.confidences(draft)
+        if policy.admits_on_device and conf is not None and not any(batch.filtered):
+            _, survival = calibration.apply(conf)
+            K, source = policy.next_budget(R, gamma)
+            cap = runner.upload(caps, torch.int64)
+            lengths = policy.admit_on_device(survival, cap, gamma, K)
+            n_rows = R + min(K, sum(caps))  # the verify size, known on the host
+            meta, pos, ids, owner = runner.meta_on_device(batch, lengths, n_rows, chains)
+            return Verify(ids, pos, meta, None, None, (lengths, survival, K, source, caps, owner))
+        c_hat = survival = None
+        if policy.needs_confidence:
+            c_hat, survival = calibration.apply(runner.to_host(conf))
+        lengths = policy.lengths(c_hat, survival, torch.tensor(caps), gamma).tolist()
+        # the chains are gathered on the device: drafts never visit the host
+        pick = [i * (gamma + 1) + k for i, n in enumerate(lengths) for k in range(n + 1)]
+        ids = chains.view(-1)[runner.upload(pick, torch.int64)]
+        meta, pos, cu = runner.meta(batch.target_pages, batch.kv_lens, [n + 1 for n in lengths], True)
+        return Verify(ids, pos, meta, lengths, cu)
+
+    def confidences(self, draft: Draft) -> torch.Tensor | None:
+        """The raw confidence logits [R, gamma] the policy sees."""
+        return draft.conf_logit
+
+    # 5. verify forward -------------------------------------------------------------------------
+
+    def verify(self, runner: Runner, plan: Verify):
+        return runner.verify(plan.ids, plan.positions, plan.meta)
+
+    # 6. acceptance -----------------------------------------------------------------------------
+
+    def accept(self, runner, batch, draft, plan: Verify, logits, rng, policy) -> RoundResult:
+        """Accept x_k with probability min(1, P(x_k) / q(x_k)), emit the residual (or bonus)
+        token y; then the round's one host read: accepted counts, tokens, failures (and, on the
+        device path, the lengths and survivals the policy plans its next budget on)."""
+        raw = logits
+        if plan.device is None and any(batch.filtered):
+            if any(p.logprobs for p in batch.params):
+                raw = logits.clone()  # logprobs are the target's raw log-probabilities
+            logits = runner.filter(batch, logits, plan.cu)
+        acc, out = self.sample(runner, draft, plan, logits, rng)
+        if plan.device is None:
+            acc, toks, failed, _ = runner.read_results(acc, out, logits, plan.cu)
+            lengths, cu = plan.lengths, plan.cu
+        else:
+            dev_lengths, survival, K, source, caps, owner = plan.device
+            acc, toks, failed, extra = runner.read_results(acc, out, logits, owner=owner,
+                                                           extra=(dev_lengths, survival))
+            lengths = extra[:, 0].long().tolist()
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n + 1)
+            policy.observe(extra[:, 1:].float(), torch.tensor(caps), lengths, K, source)
+        conf = draft.conf_logit if draft is not None else None
+        return RoundResult(acc, toks, failed, lengths, raw, cu, conf)
+
+    def sample(self, runner, draft: Draft | None, plan: Verify, logits, rng):
+        """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1])."""
+        if draft is None:
+            return ops.rejection_sample(logits, plan.meta.cu_q, None, None, None, **rng)
+        return ops.rejection_sample(logits, plan.meta.cu_q, draft.tokens, draft.z, draft.lse, **rng)
+
+    # 7. drafter context --------------------------------------------------------------------------
+
+    def commit_context(self, runner: Runner, batch: SeqBatch, res: RoundResult, feats):
+        """Target features of the anchor and the accepted drafts (positions kv_len .. kv_len + a)
+        into the drafter's context, for every request that did not fail. A request that stops
+        inside them gets them too: it frees its pages right after, unread."""
+        if runner.drafter is None:
+            return
+        ok = [i for i, f in enumerate(res.failed) if not f]
+        runner.context_update([batch.drafter_pages[i] for i in ok], [batch.kv_lens[i] for i in ok],
+                              [res.num_accepted[i] + 1 for i in ok], feats,
+                              [res.cu_rows[i] for i in ok])
+
+
+def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
+    """Round 0: the token after the prompt from the last prefill position's logits [R, V].
+    Returns (raw logits, emitted tokens per request, failed per request)."""
+    R = len(batch)
+    cu = list(range(R + 1))
+    raw = logits
+    if any(batch.filtered):
+        raw = logits.clone() if any(p.logprobs for p in batch.params) else logits
+        logits = runner.filter(batch, logits, cu)
+    acc, out = ops.rejection_sample(logits, runner.upload(cu, torch.int32), None, None, None,
+                                    **runner.rng(batch))
+    _, toks, failed, _ = runner.read_results(acc, out, logits, cu)
+    return raw, toks, failed
+

@@ -1,0 +1,264 @@
+"""The worker: model pair, paged KV caches and the forwards of a round, over batches the engine
+packs (SeqBatch). It computes and returns; it writes no request state. The round that drives it
+is runner/round.py.
+
+Modes: "ar" verifies only the anchor (plain decoding), "dflash" drafts with the backbone alone
+and verifies every draft, "dspark" adds the sequential head and the confidence head.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..models.batch import AttnMeta
+from .batch import SeqBatch, pages_for
+from .forward import draft_forward
+from .logits_process import filter_rows
+
+MODES = ("ar", "dflash", "dspark")
+
+
+def _tables(page_lists) -> torch.Tensor:
+    """Block tables [R, max(1, longest)] int64 on the host, zero-padded."""
+    tables = torch.zeros(len(page_lists), max(1, max(len(p) for p in page_lists)), dtype=torch.int64)
+    for i, pages in enumerate(page_lists):
+        tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+    return tables
+
+
+@dataclass
+class Draft:
+    """Steps 1-3 of a round: drafts x_1..x_gamma [R, gamma] int64, the corrected draft logits z
+    [R, gamma, V] and their lse [R, gamma] (the proposal q), raw confidence logits [R, gamma]
+    (None without a confidence head) and the anchors x_0 [R] (all on the device)."""
+    tokens: torch.Tensor
+    z: torch.Tensor
+    lse: torch.Tensor
+    conf_logit: torch.Tensor | None
+    anchor: torch.Tensor
+
+
+class Runner:
+    def __init__(self, target, drafter, mode: str, page_size: int, device):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode != "ar" and drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter checkpoint")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.target, self.drafter, self.mode = target, (drafter if mode != "ar" else None), mode
+        self.page_size, self.device = page_size, torch.device(device)
+        self.max_len = target.config.max_position_embeddings
+        self.gamma = drafter.gamma if mode != "ar" else 0
+        self.block_size = drafter.block_size if mode != "ar" else 0
+        self.capture = list(drafter.target_layer_ids) if mode != "ar" else None
+        self.logits_dtype = torch.float64 if target.dtype == torch.float64 else torch.float32
+        self.head = drafter.head if mode == "dspark" else "none"
+        self.has_confidence = mode == "dspark" and drafter.conf_w is not None
+        self.head_weights = self._head_weights()
+        self.tcache = self.dcache = None
+        # Device-to-host reads, all through to_host: a decode round costs one (the emitted
+        # tokens), two when a host-side policy reads confidences.
+        self.host_reads = 0
+        # CUDA graphs per bucket of the verify and draft forwards (runner/graphs.py); on the CPU,
+        # or with DSPARK_CUDA_GRAPHS=0, every forward runs eagerly.
+        self.graphs = None
+        if self.device.type == "cuda" and os.environ.get("DSPARK_CUDA_GRAPHS", "1") != "0":
+            from .graphs import GraphRunner, capture_problem
+            if capture_problem(target) is None:
+                self.graphs = GraphRunner.from_runner(self)
+
+    def _head_weights(self) -> dict:
+        """The sequential and confidence head tensors ops.markov_sample takes, in the logits
+        dtype (the CPU kernels take one float type)."""
+        if self.mode != "dspark":
+            return {}
+        d, dt = self.drafter, self.logits_dtype
+        names = ("w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b", "conf_w", "conf_b")
+        return {n: None if getattr(d, n) is None else getattr(d, n).to(dt).contiguous() for n in names}
+
+    def allocate_caches(self, num_pages: int):
+        """Target and drafter caches of num_pages pages each (the engine's block managers hand
+        the pages out). A failure leaves the runner without caches (never with one of two), and the next call starts afresh."""
+        self.tcache = self.dcache = None  # the old pool goes before the new one is allocated
+        tcache = self.target.make_cache(num_pages, self.page_size)
+        dcache = self.drafter.make_cache(num_pages, self.page_size) if self.drafter is not None else None
+        self.tcache, self.dcache = tcache, dcache
+
+    # -- host <-> device ---------------------------------------------------------------------
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """The one device-to-host read of the runtime (a synchronisation on a GPU), counted."""
+        self.host_reads += 1
+        return t.cpu()
+
+    def upload(self, data, dtype) -> torch.Tensor:
+        """Host data -> device without waiting for the device (H2D copies never synchronise)."""
+        t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+        return t.to(self.device, dtype, non_blocking=True)
+
+    def _check_pages(self, pages: list[int], n_tokens: int, which: str):
+        if pages_for(n_tokens, self.page_size) > len(pages):
+            raise RuntimeError(f"runner: {n_tokens} positions need "
+                               f"{pages_for(n_tokens, self.page_size)} {which} pages, the "
+                               f"scheduler reserved {len(pages)}")
+
+    def meta(self, page_lists, starts, counts, causal):
+        """AttnMeta for chains of counts[r] new tokens at positions starts[r].. of each request,
+        built on the host and uploaded in one copy. Returns (meta, positions [N] on the device,
+        cu [R + 1] on the host)."""
+        ps, R = self.page_size, len(counts)
+        for pages, s, n in zip(page_lists, starts, counts):
+            self._check_pages(pages, s + n, "KV")
+        tables = _tables(page_lists)
+        width = tables.shape[1]
+        slots, positions = [], []
+        for i, (s, n) in enumerate(zip(starts, counts)):
+            pos = torch.arange(s, s + n)
+            slots.append(tables[i][pos // ps] * ps + pos % ps)
+            positions.append(pos)
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        N = cu[-1]
+        host = torch.cat([torch.tensor(cu), torch.tensor([s + n for s, n in zip(starts, counts)]),
+                          tables.view(-1), torch.cat(slots), torch.cat(positions)])
+        dev = self.upload(host, torch.int64)
+        o = R + 1
+        cu_q, kv_lens = dev[:o].int(), dev[o : o + R].int()
+        o += R
+        block_tables = dev[o : o + R * width].view(R, width).int()
+        o += R * width
+        meta = AttnMeta(cu_q, kv_lens, block_tables, dev[o : o + N], causal)
+        return meta, dev[o + N :], cu
+
+    def meta_on_device(self, batch: SeqBatch, lengths: torch.Tensor, n_rows: int,
+                       chains: torch.Tensor):
+        """Verify metadata when the lengths [R] (int64) stay on the device: request r verifies
+        chains[r, :lengths[r] + 1] ([R, gamma + 1]: anchor then drafts) at positions kv_len.. .
+        n_rows >= R + sum(lengths) is known on the host; rows past the real total are padding
+        (id 0, position 0, slot -1, owner -1). Returns (meta, positions, ids, owner)."""
+        R, ps, g1 = len(batch), self.page_size, chains.shape[1]
+        for pages, kv, c in zip(batch.target_pages, batch.kv_lens, batch.caps):
+            self._check_pages(pages, kv + min(c, self.gamma) + 1, "target")
+        tables = _tables(batch.target_pages)
+        width = tables.shape[1]
+        dev = self.upload(torch.cat([torch.tensor(batch.kv_lens), tables.view(-1)]), torch.int64)
+        kv0, tables = dev[:R], dev[R:].view(R, width)
+        counts = lengths + 1
+        cu = torch.zeros(R + 1, dtype=torch.int64, device=lengths.device)
+        cu[1:] = torch.cumsum(counts, 0)
+        row = torch.arange(n_rows, device=lengths.device)
+        req = torch.searchsorted(cu[1:], row, right=True)  # R for padding rows
+        valid = req < R
+        req_c = req.clamp(max=R - 1)
+        k = row - cu[req_c]
+        pos = torch.where(valid, kv0[req_c] + k, 0)
+        page = tables[req_c, (pos // ps).clamp(max=width - 1)]
+        slots = torch.where(valid, page * ps + pos % ps, -1)
+        ids = torch.where(valid, chains.reshape(-1)[req_c * g1 + k.clamp(0, g1 - 1)], 0)
+        meta = AttnMeta(cu.int(), (kv0 + counts).int(), tables.int(), slots, True)
+        return meta, pos, ids, torch.where(valid, req, -1)
+
+    def rng(self, batch: SeqBatch) -> dict:
+        """The ops' random keys (temperature, seed, stream, round_, coupled), in one upload."""
+        seeds = [s - (1 << 64) if s >= (1 << 63) else s for s in batch.seeds]
+        coupled = [int(p.coupled) for p in batch.params]
+        ints = self.upload([seeds, batch.streams, batch.rounds, coupled], torch.int64)
+        return dict(temperature=self.upload([p.temperature for p in batch.params], torch.float32),
+                    seed=ints[0], stream=ints[1], round_=ints[2], coupled=ints[3].to(torch.uint8))
+
+    # -- forwards ----------------------------------------------------------------------------
+
+    def prefill(self, batch: SeqBatch, starts, ends, tokens, shared=None) -> torch.Tensor:
+        """Runs tokens[i] at positions starts[i] .. ends[i]-1 of each request through the target
+        and, with a drafter, their features into its context (positions starts[i].. as well).
+        Returns the logits of each chunk's last position [R, V]. shared[i]: how many leading
+        positions of chunk i already sit in prefix-cached target pages: they are recomputed only
+        for their features, and their K/V is not written (slot -1), since other requests may be
+        reading those pages."""
+        counts = [e - s for s, e in zip(starts, ends)]
+        meta, pos, cu = self.meta(batch.target_pages, starts, counts, True)
+        for i, n in enumerate(shared or []):
+            if n:
+                meta.slot_mapping[cu[i] : cu[i] + n] = -1
+        ids = self.upload([t for chunk in tokens for t in chunk], torch.int64)
+        last = self.upload([c - 1 for c in cu[1:]], torch.int64)
+        logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture,
+                                            logits_rows=last)
+        if self.drafter is not None:
+            self.context_update(batch.drafter_pages, starts, counts, feats, cu[:-1])
+        return logits.to(self.logits_dtype)
+
+    def draft(self, batch: SeqBatch, rng: dict) -> Draft:
+        """Steps 1-3: the block [x0, m, .., m] through the drafter (its K/V in scratch slots right
+        after the context, overwritten by the context update later), the LM head, the
+        sequential head and the confidence head; one CUDA graph per batch bucket on CUDA."""
+        R = len(batch)
+        meta, pos, _ = self.meta(batch.drafter_pages, batch.ctx_lens, [self.block_size] * R, False)
+        anchor = self.upload(batch.anchors, torch.int64)
+        if self.graphs is not None:
+            tokens, z, lse, conf = self.graphs.draft(anchor, pos, meta, self.dcache, rng)
+        else:
+            tokens, z, lse, conf = draft_forward(self.target, self.drafter, self.head,
+                                                 self.head_weights, self.logits_dtype,
+                                                 anchor, pos, meta, self.dcache, rng)
+        return Draft(tokens, z, lse, conf if self.has_confidence else None, anchor)
+
+    def verify(self, ids, pos, meta: AttnMeta):
+        """Step 5: the target's causal forward over the flat verify batch. Returns (logits [N, V]
+        in the logits dtype, features [N, m * d] or None)."""
+        if self.graphs is not None:
+            logits, feats = self.graphs.verify(ids, pos, meta, self.tcache)
+        else:
+            logits, feats = self.target.forward(ids, pos, meta, self.tcache,
+                                                capture_layers=self.capture)
+        return logits.to(self.logits_dtype), feats
+
+    def context_update(self, page_lists, starts, counts, feats, row_starts):
+        """Projects the target features of committed positions starts[r] .. +counts[r] (rows
+        row_starts[r] .. of feats) into the drafter's context cache (DESIGN §2 step 7)."""
+        if self.drafter is None or not counts:
+            return
+        rows = self.upload(torch.cat([torch.arange(s, s + n) for s, n in zip(row_starts, counts)]),
+                           torch.int64)
+        meta, pos, _ = self.meta(page_lists, starts, counts, False)
+        self.drafter.context_update(feats[rows], pos, meta.slot_mapping, self.dcache)
+
+    # -- sampling helpers --------------------------------------------------------------------
+
+    def filter(self, batch: SeqBatch, logits, cu_rows: list[int]):
+        """Applies each request's top-k / top-p to its rows of target logits, in place."""
+        for i, (p, on) in enumerate(zip(batch.params, batch.filtered)):
+            if not on:
+                continue
+            lo, hi = cu_rows[i], cu_rows[i + 1]
+            rows = logits[lo:hi]
+            kept = filter_rows(rows / p.temperature, p.top_k, p.top_p)
+            logits[lo:hi] = rows.masked_fill(torch.isinf(kept) & ~torch.isinf(rows), float("-inf"))
+        return logits
+
+    def read_results(self, acc, out, logits, cu: list[int] | None = None, owner=None, extra=()):
+        """One host copy of what the host needs from a round: accepted counts, emitted tokens,
+        whether a request's logits hold NaN or +inf (that request fails alone), and `extra`
+        per-request device tensors. Rows belong to requests by cu (host) or owner ([N] device,
+        -1 for padding rows). Returns (accepted, tokens, failed, extra columns [R, k] or None)."""
+        R, g1 = acc.shape[0], out.shape[1]
+        bad_rows = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+        if owner is None:
+            owner = self.upload(torch.repeat_interleave(torch.arange(R), torch.tensor(cu).diff()),
+                                torch.int64)
+        else:
+            bad_rows = bad_rows & (owner >= 0)
+            owner = owner.clamp(min=0)
+        bad = torch.zeros(R, dtype=torch.int64, device=logits.device).index_add_(0, owner, bad_rows.long())
+        cols = [acc.long()[:, None], bad[:, None], out] + [e.reshape(R, -1) for e in extra]
+        if extra:  # one float64 copy: ids and lengths are exact in it, survivals are float32
+            host = self.to_host(torch.cat([c.double() for c in cols], 1))
+        else:
+            host = self.to_host(torch.cat(cols, 1))
+        ints = host[:, : 2 + g1].long().tolist()
+        acc_h = [row[0] for row in ints]
+        toks = [row[2 : 3 + a] for row, a in zip(ints, acc_h)]
+        return acc_h, toks, [row[1] > 0 for row in ints], (host[:, 2 + g1 :] if extra else None)
