@@ -16,6 +16,9 @@ class SamplingParams:
     coupled: Gumbel-coupled acceptance: a seeded request emits exactly what seeded plain decoding
     emits, whatever the batch, policy or drafter; costs acceptance: P(x = y) >= (1 - TV)/(1 + TV)
     instead of 1 - TV (DESIGN §2, coupled sampling; greedy requests are unaffected).
+    speculative=False: this request decodes plainly (it drafts nothing and verifies only its own
+    token) while it shares the batch with speculating requests; a seeded one then emits what it
+    would under mode "ar".
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -27,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     coupled: bool = False
+    speculative: bool = True
 
     def __post_init__(self):
         self.check()
@@ -65,6 +69,8 @@ class SamplingParams:
             bad("logprobs", "must be a bool")
         if not isinstance(self.coupled, bool):
             bad("coupled", "must be a bool")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", "must be a bool")
 
     @property
     def greedy(self) -> bool:

@@ -70,8 +70,17 @@ class Round:
 
     # 1-3. parallel draft, sequential head, confidences ---------------------------------------
 
-    def draft(self, runner: Runner, batch: SeqBatch, rng: dict) -> Draft:
-        return runner.draft(batch, rng)
+    def draft(self, runner: Runner, batch: SeqBatch, rng: dict) -> Draft | None:
+        """Drafts of the requests that speculate (SamplingParams.speculative); the others get
+        empty rows and verify only their own token."""
+        rows = [i for i, p in enumerate(batch.params) if p.speculative]
+        if len(rows) == len(batch):
+            return runner.draft(batch, rng)
+        if not rows:
+            return None
+        idx = runner.upload(rows, torch.int64)
+        sub = runner.draft(batch.select(rows), {k: v[idx] for k, v in rng.items()})
+        return sub.spread(rows, runner.upload(batch.anchors, torch.int64))
 
     # 4. verify lengths -------------------------------------------------------------------------
 
@@ -82,7 +91,7 @@ class Round:
         if draft is None:  # plain decoding: the chain is the anchor
             meta, pos, cu = runner.meta(batch.target_pages, batch.kv_lens, [1] * R, True)
             return Verify(runner.upload(batch.anchors, torch.int64), pos, meta, [0] * R, cu)
-        caps = [min(c, gamma) for c in batch.caps]
+        caps = [min(c, gamma) if p.speculative else 0 for c, p in zip(batch.caps, batch.params)]
         chains = torch.cat([draft.anchor[:, None], draft.tokens], 1)  # [R, gamma + 1]
         conf = self.confidences(draft)
         if policy.admits_on_device and conf is not None and not any(batch.filtered):

@@ -38,6 +38,19 @@ class Draft:
     conf_logit: torch.Tensor | None
     anchor: torch.Tensor
 
+    def spread(self, rows: list[int], anchor: torch.Tensor) -> "Draft":
+        """This draft of a subset of requests placed at rows of a batch with these anchors [R];
+        the other rows get token 0, z 0, lse 0 and confidence logit 0 (they verify no drafts,
+        so nothing reads them)."""
+        idx = torch.tensor(rows, dtype=torch.int64).to(anchor.device, non_blocking=True)
+
+        def put(t):
+            if t is None:
+                return None
+            out = torch.zeros((anchor.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            return out.index_copy_(0, idx, t)
+        return Draft(put(self.tokens), put(self.z), put(self.lse), put(self.conf_logit), anchor)
+
 
 class Runner:
     def __init__(self, target, drafter, mode: str, page_size: int, device):
