@@ -133,6 +133,7 @@ PYBIND11_MODULE(_C, m) {
     c.def_readwrite("confidence", &P::confidence);
     c.def_readwrite("confidence_markov", &P::confidence_markov);
     DefEnum(c, cls, "dtype", &P::dtype, 0, kMaxDType);
+    DefEnum(c, cls, "weight_dtype", &P::weight_dtype, 0, kMaxDType);
     DefEnum(c, cls, "out_dtype", &P::out_dtype, 0, kMaxDType);
     DefPtr(c, "logits", &P::logits);
     DefPtr(c, "hidden", &P::hidden);

@@ -130,6 +130,24 @@ DSPARK_ALWAYS_INLINE void DotRows8(const T* w, int64_t ld, const T* u, int64_t n
 }
 #endif
 
+// bfloat16 (raw bits) -> float, exact.
+DSPARK_ALWAYS_INLINE float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// x rounded to the nearest bfloat16 (ties to even, as torch rounds), returned as a float.
+DSPARK_ALWAYS_INLINE float RoundToBf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return x;  // NaN stays NaN
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
 // The logistic function in T (float32 heads stay in float32, as the reference computes them).
 template <class T>
 DSPARK_ALWAYS_INLINE T Sigmoid(T x) {

@@ -61,14 +61,37 @@ def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
     return backend
 
 
-def _markov_backend(device: torch.device, backend, dtype, head):
-    """markov_sample's backend: _backend's, except that by default the rnn head on CUDA tensors
-    runs the reference. The CUDA kernel has no rnn path (its state update is a 3r x (2r + d)
-    matvec per step and request, left to the reference's GEMMs); the reference is the semantics
-    itself, on the same device, so the output does not change, only its speed (and it reads the
-    device, so CUDA graphs keep rnn drafts eager: graphs.py). An explicit backend="cuda" still
-    reaches the kernel, which refuses the rnn head."""
-    be = _backend("markov_sample", device, backend, dtype, "logits")
+# markov_sample's weight dtype (hidden and head weights) may be narrower than its logits dtype:
+# (logits, weights) pairs each backend takes besides equal dtypes.
+_MARKOV_MIXED = {
+    "reference": {(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                  (torch.float64, torch.bfloat16), (torch.float64, torch.float16)},
+    "cpp": {(torch.float32, torch.bfloat16)},
+    "cuda": {(torch.float32, torch.bfloat16), (torch.float32, torch.float16)},
+}
+
+
+def _markov_backend(device: torch.device, backend, dtype, head, weight_dtype=None):
+    """markov_sample's backend: _backend's for the logits dtype, falling back by default to the
+    reference where the kernel does not take the (logits, weights) dtype pair, and routing by
+    default the rnn head on CUDA tensors to the reference. The CUDA kernel has no rnn path (its
+    state update is a 3r x (2r + d) matvec per step and request, left to the reference's GEMMs);
+    the reference is the semantics itself, on the same device, so the output does not change,
+    only its speed (and it reads the device, so CUDA graphs keep rnn drafts eager: graphs.py).
+    An explicit backend="cuda" still reaches the kernel, which refuses the rnn head."""
+    op = "markov_sample"
+    wdt = dtype if weight_dtype is None else weight_dtype
+    be = _backend(op, device, backend, dtype, "logits")
+    takes = lambda b: wdt == dtype or (dtype, wdt) in _MARKOV_MIXED[b]
+    if not takes("reference"):
+        fail(op, f"hidden and head weights ({wdt}) cannot serve {dtype} logits: the weight "
+                 f"dtype must be the logits dtype or a 16-bit type under float32/float64 logits")
+    chosen = backend is not None or bool(os.environ.get("DSPARK_BACKEND"))
+    if not takes(be):
+        if chosen:
+            fail(op, f"backend {be!r} does not take {wdt} hidden and weights with {dtype} logits "
+                     f"(it takes equal dtypes and {sorted(str(w) for c, w in _MARKOV_MIXED[be] if c == dtype)})")
+        be = "reference"
     if backend is None and head == "rnn" and be == "cuda":
         return "reference"
     return be
@@ -101,6 +124,11 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
                   stream, round_, coupled=None, backend=None):
     """Sequential drafting stage; see reference.markov_sample for the semantics.
 
+    Dtypes: logits (float32, float64, or 16-bit on CUDA) set the compute dtype; hidden and every
+    head weight share the weight dtype, the logits' or a 16-bit type under float32 logits (a
+    bf16 model: bf16 hidden and weights, float32 logits; the CUDA kernel takes its tensor-core
+    path). A weight of another dtype than hidden is an error naming it.
+
     coupled [R] bool or uint8 (None: all false): Gumbel-coupled requests, whose round_ holds the
     number of tokens they emitted so far (DESIGN §2, coupled sampling).
 
@@ -118,8 +146,9 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     R, gamma, V = logits.shape
     dev = logits.device
     fdt = logits.dtype
-    be = _markov_backend(dev, backend, fdt, head)
-    hidden = tensor(op, "hidden", hidden, dtype=fdt, ndim=3, device=dev)
+    hidden = tensor(op, "hidden", hidden, ndim=3, device=dev)
+    wdt = hidden.dtype  # the weight dtype: hidden's, shared by every head weight
+    be = _markov_backend(dev, backend, fdt, head, wdt)
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
     anchor = tensor(op, "anchor", anchor, dtype=torch.int64, shape=(R,), device=dev)
@@ -128,24 +157,24 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     if head != "none" or (conf_w is not None and w1 is not None):
         if w1 is None or w2 is None:
             fail(op, f"head {head!r} needs w1 and w2")
-        w1 = tensor(op, "w1", w1, dtype=fdt, ndim=2, device=dev)
+        w1 = tensor(op, "w1", w1, dtype=wdt, ndim=2, device=dev)
         rank = w1.shape[1]
         w1 = tensor(op, "w1", w1, shape=(V, rank))
-        w2 = tensor(op, "w2", w2, dtype=fdt, shape=(V, rank), device=dev)
+        w2 = tensor(op, "w2", w2, dtype=wdt, shape=(V, rank), device=dev)
     if head == "gated":
-        gate_w = tensor(op, "gate_w", gate_w, dtype=fdt, shape=(rank, d + rank), device=dev)
-        gate_b = tensor(op, "gate_b", gate_b, dtype=fdt, shape=(rank,), device=dev)
+        gate_w = tensor(op, "gate_w", gate_w, dtype=wdt, shape=(rank, d + rank), device=dev)
+        gate_b = tensor(op, "gate_b", gate_b, dtype=wdt, shape=(rank,), device=dev)
     if head == "rnn":
-        joint_w = tensor(op, "joint_w", joint_w, dtype=fdt, shape=(3 * rank, 2 * rank + d),
+        joint_w = tensor(op, "joint_w", joint_w, dtype=wdt, shape=(3 * rank, 2 * rank + d),
                          device=dev)
-        joint_b = tensor(op, "joint_b", joint_b, dtype=fdt, shape=(3 * rank,), device=dev)
+        joint_b = tensor(op, "joint_b", joint_b, dtype=wdt, shape=(3 * rank,), device=dev)
     conf_markov = False
     if conf_w is not None:
-        conf_w = tensor(op, "conf_w", conf_w, dtype=fdt, ndim=1, device=dev)
+        conf_w = tensor(op, "conf_w", conf_w, dtype=wdt, ndim=1, device=dev)
         conf_markov = conf_w.shape[0] != d
         if conf_markov and (rank == 0 or conf_w.shape[0] != d + rank):
             fail(op, f"conf_w must have {d} entries (or {d} + rank with w1), got {conf_w.shape[0]}")
-        conf_b = tensor(op, "conf_b", conf_b, dtype=fdt, shape=(1,), device=dev)
+        conf_b = tensor(op, "conf_b", conf_b, dtype=wdt, shape=(1,), device=dev)
     temperature = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
     seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
@@ -163,7 +192,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     p.R, p.gamma, p.V, p.rank, p.d = R, gamma, V, rank, d
     p.head = HEADS.index(head)
     p.confidence, p.confidence_markov = conf_w is not None, conf_markov
-    p.dtype, p.out_dtype = _DTYPE_CODE[fdt], _DTYPE_CODE[out_dt]
+    p.dtype, p.weight_dtype, p.out_dtype = _DTYPE_CODE[fdt], _DTYPE_CODE[wdt], _DTYPE_CODE[out_dt]
     p.logits, p.hidden, p.anchor = _ptr(logits), _ptr(hidden), _ptr(anchor)
     p.w1, p.w2, p.gate_w, p.gate_b = _ptr(w1), _ptr(w2), _ptr(gate_w), _ptr(gate_b)
     p.joint_w, p.joint_b, p.conf_w, p.conf_b = _ptr(joint_w), _ptr(joint_b), _ptr(conf_w), _ptr(conf_b)
