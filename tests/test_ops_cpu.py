@@ -290,6 +290,50 @@ def test_verify_attention(case, dtype):
         _close(got, ref, _attention(kw64, "reference"), f"out: {oc.where(case)}", floor_ulps=8)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("case", oc.ATTENTION_CASES, ids=str)
+def test_verify_attention_plan_reuse(case, backend):
+    """One plan for several layers (caches of one shape) gives exactly the per-call result, into
+    a fresh tensor or into out=."""
+    kw = oc.attention_inputs(case)
+    q, cu_q, bt, kv_lens = kw["q"], kw["cu_q"], kw["block_tables"], kw["kv_lens"]
+    caches = [(kw["k_cache"], kw["v_cache"])]
+    caches.append(tuple(torch.where(c.isnan(), c, torch.randn_like(c)) for c in caches[0]))
+    plan = ops.plan_verify_attention(cu_q, kv_lens, bt, caches[0][0], h_q=case.h_q,
+                                     causal=case.causal, backend=backend)
+    out = torch.full((q.shape[0], case.h_q, case.head_dim), math.nan)
+    for k_cache, v_cache in caches:
+        args = (q, cu_q, k_cache, v_cache, bt, kv_lens)
+        want = ops.verify_attention(*args, causal=case.causal, scale=kw["scale"], backend=backend)
+        got = ops.verify_attention(*args, causal=case.causal, scale=kw["scale"], plan=plan)
+        assert torch.equal(got, want), oc.where(case)
+        into = ops.verify_attention(*args, causal=case.causal, scale=kw["scale"], plan=plan, out=out)
+        assert into is out and torch.equal(out, want), oc.where(case)
+
+
+def test_verify_attention_plan_mismatch():
+    """A plan serves only the batch and heads it was made for; bad metadata fails at plan time."""
+    kw = oc.attention_inputs(oc.AttentionCase((3, 2), (20, 5), 6, 2, 16, 8))
+    q, cu_q, kc, vc, bt, kv_lens = (kw[k] for k in ("q", "cu_q", "k_cache", "v_cache",
+                                                    "block_tables", "kv_lens"))
+    plan = ops.plan_verify_attention(cu_q, kv_lens, bt, kc, h_q=6)
+    run = lambda **ch: ops.verify_attention(*[ch.get(k, kw[k]) for k in (
+        "q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")],
+        causal=ch.get("causal", True), plan=ch.get("plan", plan), out=ch.get("out"))
+    run()
+    _raises(lambda: run(kv_lens=kv_lens.clone()), "plan", "kv_lens")
+    _raises(lambda: run(cu_q=cu_q.clone()), "plan", "cu_q")
+    _raises(lambda: run(causal=False), "plan", "causal")
+    _raises(lambda: run(q=q[:, :4].contiguous()), "plan", "h_q")
+    _raises(lambda: run(plan="plan"), "plan", "plan_verify_attention")
+    _raises(lambda: run(out=torch.empty(q.shape[0], 6, 8)), "out", "shape")
+    bad = bt.clone()
+    bad[0, 0] = 10_000
+    _raises(lambda: ops.plan_verify_attention(cu_q, kv_lens, bad, kc, h_q=6), "plan_verify_attention",
+            "block_tables")
+    _raises(lambda: ops.plan_verify_attention(cu_q, kv_lens, bt, kc, h_q=5), "h_q")
+
+
 # --------------------------------------------------------------------------------------------
 # determinism, batch order, thread count
 

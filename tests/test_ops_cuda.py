@@ -278,6 +278,54 @@ def test_verify_attention(case, dtype):
         torch.testing.assert_close(got.cpu(), cpu, rtol=1e-5, atol=1e-5 * vmax, msg=lambda m: f"{m}\n{where}")
 
 
+def _attention_args(kw):
+    return [kw[k] for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")]
+
+
+@pytest.mark.parametrize("case,dtype", ATTENTION_CASES, ids=lambda x: str(x))
+def test_verify_attention_plan_reuse(case, dtype):
+    """A plan made once (work partition and split partials) and reused by several calls gives
+    bit for bit the result of per-call planning: same partition, same arithmetic."""
+    big = sum(case.ctx) * case.h_kv * case.head_dim > 2 ** 24
+    kw = oc.attention_inputs(case, DEV, dtype, gen_device=DEV if big else "cpu")
+    args = _attention_args(kw)
+    opts = dict(causal=kw["causal"], scale=kw["scale"])
+    plan = ops.plan_verify_attention(kw["cu_q"], kw["kv_lens"], kw["block_tables"], kw["k_cache"],
+                                     h_q=case.h_q, causal=case.causal)
+    assert plan.backend == "cuda"
+    want = ops.verify_attention(*args, **opts, backend="cuda")
+    out = torch.empty_like(want)
+    for _ in range(2):  # the plan's buffers are reused: a second layer must not see stale partials
+        assert torch.equal(ops.verify_attention(*args, **opts, plan=plan), want), oc.where(case)
+    assert torch.equal(ops.verify_attention(*args, **opts, plan=plan, out=out), want)
+
+
+def test_verify_attention_plan_in_cuda_graph():
+    """Planned inside a captured forward (no host sync, no allocation outside torch's graph
+    pool): replays follow new metadata values written into the captured buffers."""
+    case = AC((1, 3, 0, 5), (16, 37, 9, 4000), 8, 2, 128, 16)  # a long context: split-KV
+    kw = oc.attention_inputs(case, DEV, BF16)
+    q, cu_q, kc, vc, bt, kv_lens = _attention_args(kw)
+
+    def forward():
+        plan = ops.plan_verify_attention(cu_q, kv_lens, bt, kc, h_q=case.h_q)
+        return [ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, plan=plan) for _ in range(2)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # warm-up outside the capture (kernel attributes, allocator)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward()
+    for shrink in (0, 8):
+        kv_lens.copy_(torch.tensor([17, 40, 9, 4005], dtype=torch.int32, device=DEV) - shrink)
+        graph.replay()
+        want = ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, backend="cuda")
+        assert all(torch.equal(o, want) for o in outs), shrink
+
+
 # ---- append_kv (its binding arrives with the lead's CPU twin) ----------------------------------
 @pytest.mark.skipif(not hasattr(getattr(ops, "_C", None), "append_kv"), reason="no append_kv binding yet")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
