@@ -14,10 +14,11 @@
 // GEMM, so a double accumulator would not bring the two closer than their float32 rounding;
 // float64 accumulates in double.
 // bfloat16 weights under float32 logits (weight_dtype != dtype) are widened on load: the small
-// head weights and hidden once per call, w1 one row per request and step, w2 one slice per
-// work item (so the sweep still reads each bf16 slice once per step, for the whole batch). The
-// projected vector u is rounded to bfloat16 first, as the reference and the CUDA kernel do.
+// head weights and hidden once per call, w1 one row per request and step, w2 in registers as
+// the sweep streams it (2 bytes per element). The projected vector u is rounded to bfloat16
+// first, as the reference and the CUDA kernel do.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/kernel_util.h"
@@ -37,13 +38,6 @@ const T* Widened(const void* src, int64_t n, bool widen, std::vector<T>& buf) {
   buf.resize(n);
   for (int64_t i = 0; i < n; ++i) buf[i] = Bf16ToFloat(b[i]);
   return buf.data();
-}
-
-// Rows v0 .. v0 + n of a bfloat16 [V, rank] matrix, widened into this thread's buffer.
-template <class T>
-const T* WidenedRows(const void* src, int64_t v0, int64_t n, int64_t rank) {
-  thread_local std::vector<T> buf;
-  return Widened(static_cast<const uint16_t*>(src) + v0 * rank, n * rank, true, buf);
 }
 
 template <class T>
@@ -129,6 +123,18 @@ DSPARK_ALWAYS_INLINE void HeadStepImpl(Ctx<T>& c, int64_t r, int64_t k) {
   }
 }
 
+// z[j] += dot(w2[j, :], u) for the n rows of a slice (w2 in T, or bfloat16 widened on load).
+template <class W, class T>
+DSPARK_ALWAYS_INLINE void AddBias(const W* w2, const T* u, T* z, int64_t n, int64_t rank) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    T b[8];
+    DotRows8(w2 + j * rank, rank, u, rank, b);
+    for (int l = 0; l < 8; ++l) z[j + l] = z[j + l] + b[l];
+  }
+  for (; j < n; ++j) z[j] = z[j] + Dot(w2 + j * rank, u, rank);
+}
+
 // Step 2 for slice `sl` of V at step k, all requests.
 template <class T>
 DSPARK_ALWAYS_INLINE void SliceImpl(Ctx<T>& c, int64_t sl, int64_t k) {
@@ -136,21 +142,12 @@ DSPARK_ALWAYS_INLINE void SliceImpl(Ctx<T>& c, int64_t sl, int64_t k) {
   const int64_t v0 = sl * kSlice, n = std::min(kSlice, p.V - v0), rank = p.rank;
   const bool bias = p.head != MarkovHead::kNone;
   double zt[kSlice], w[kSlice];
-  // Rows v0 .. v0 + n of w2 in T, widened (if bfloat16) once for every request of the batch.
-  const T* w2 = !bias ? nullptr
-                : c.widen ? WidenedRows<T>(c.w2, v0, n, rank)
-                          : static_cast<const T*>(c.w2) + v0 * rank;
   for (int64_t r = 0; r < p.R; ++r) {
     T* z = c.logits + (r * p.gamma + k) * p.V + v0;
     const T* u = c.proj.data() + r * rank;
-    if (bias) {
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        T b[8];
-        DotRows8(w2 + j * rank, rank, u, rank, b);
-        for (int l = 0; l < 8; ++l) z[j + l] = z[j + l] + b[l];
-      }
-      for (; j < n; ++j) z[j] = z[j] + Dot(w2 + j * rank, u, rank);
+    if (bias && !c.widen) AddBias(static_cast<const T*>(c.w2) + v0 * rank, u, z, n, rank);
+    if constexpr (std::is_same_v<T, float>) {  // bfloat16 w2 under float32 logits
+      if (bias && c.widen) AddBias(static_cast<const uint16_t*>(c.w2) + v0 * rank, u, z, n, rank);
     }
     const bool greedy = p.temperature[r] == 0.0f;
     // z / T in double by division, exactly as the reference forms it (scores must agree).
