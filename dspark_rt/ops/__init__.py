@@ -5,7 +5,10 @@ a backend and hands raw pointers, sizes and the current stream to the extension.
 "reference" (ops/reference.py, plain PyTorch, the ground truth), "cpp" (C++ CPU kernels) and
 "cuda". The default follows the tensors' device; DSPARK_BACKEND=reference forces the reference.
 One op/argument pair has no kernel: markov_sample with head "rnn" on CUDA tensors runs the
-reference by default (_markov_backend, the only such routing).
+reference by default (_markov_backend, the only such routing); so does a (logits, weights) dtype
+pair a kernel lacks, as any dtype a kernel lacks does.
+verify_attention follows FlashInfer's plan/run: plan_verify_attention once per forward, then
+every layer's verify_attention(..., plan=plan).
 """
 import os
 from dataclasses import dataclass
@@ -285,7 +288,7 @@ def prefix_topk(survival, K: int, *, backend=None):
     return lengths
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class VerifyAttentionPlan:
     """verify_attention's plan for one forward (FlashInfer's plan/run), from
     plan_verify_attention: the batch metadata it was made for, checked once, and on the CUDA
