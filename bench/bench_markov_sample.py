@@ -2,11 +2,14 @@
 
     python bench/bench_markov_sample.py [--device cpu|cuda] [--json PATH] [--quick] [--compile]
 
-Shapes: CUDA V=151936, r=256, d=4096, gamma in {7, 16}, R in {1, 32, 256}, bf16 weights;
-CPU (scaled down, the reference is slow) V=32000, r=64, d=256, gamma=7, R in {1, 8}, float32.
+Shapes: CUDA V=151936, r=256, d=4096, gamma in {7, 16}, R in {1, 32, 256}; CPU (scaled down,
+the reference is slow) V=32000, r=64, d=256, gamma=7, R in {1, 8}. Dtypes as served: float32
+logits always; bf16 hidden and head weights on CUDA (a bf16 model's head: W2 through tensor
+cores), on the CPU both float32 weights (a float32 model) and bf16 weights (widened on load).
 Vanilla head, Markov confidence feature, sampled rows (T in (0.3, 2)).
-Bytes: logits read and written (R gamma V), w2 swept once per step for the whole batch
-(gamma V r), w1 rows, hidden, confidence weights, outputs. FLOPs: 2 R gamma V r (projection).
+Bytes: float32 logits read and written (R gamma V), w2 swept once per step for the whole batch
+(gamma V r, weight dtype), w1 rows, hidden, confidence weights, outputs.
+FLOPs: 2 R gamma V r (projection).
 """
 import torch
 
@@ -29,14 +32,15 @@ def main():
     args = parse_args(__doc__)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    weight_dtypes = [torch.bfloat16] if cuda else [torch.float32, torch.bfloat16]
     be = backend_for(dev)
-    rep = Report("markov_sample", dev, dtype, args)
+    rep = Report("markov_sample", dev, weight_dtypes[0], args)
     V, r, d, grid = shapes(cuda, args.quick)
-    s = torch.finfo(dtype).bits // 8
-    for R, G in grid:
+    for (R, G), wdt in ((g, w) for g in grid for w in weight_dtypes):
         case = oc.MarkovCase(R, G, V, "vanilla", rank=r, d=d, conf="markov", temps="sampled")
-        kw = oc.markov_inputs(case, dev, dtype, gen_device=dev)
+        kw = oc.markov_inputs(case, dev, torch.float32, gen_device=dev)
+        for k in ("hidden", "w1", "w2", "conf_w", "conf_b"):
+            kw[k] = kw[k].to(wdt)
         U0 = kw.pop("logits")
         logits = U0.clone()
         hidden, anchor, head = kw.pop("hidden"), kw.pop("anchor"), kw.pop("head")
@@ -55,8 +59,9 @@ def main():
             extra["compiled_ref_us"] = compiled_us(
                 lambda: reference.markov_sample(logits, hidden, anchor, head, **kw), dev,
                 setup=restore, runs=5)
-        nbytes = s * (2 * R * G * V + G * V * r + R * G * (2 * r + d) + d + r) + 8 * 4 * R * G
-        rep.add(f"R={R} gamma={G} V={V} r={r}", us, ref_us, nbytes, 2 * R * G * V * r,
+        s = torch.finfo(wdt).bits // 8
+        nbytes = 4 * 2 * R * G * V + s * (G * V * r + R * G * (2 * r + d) + d + r) + 8 * 4 * R * G
+        rep.add(f"R={R} gamma={G} V={V} r={r} weights={str(wdt)[6:]}", us, ref_us, nbytes, 2 * R * G * V * r,
                 tokens_match=match, **extra)
         if match < 1:
             print(f"  WARNING: {100 * (1 - match):.2f}% of tokens differ from the reference")

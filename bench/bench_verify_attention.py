@@ -6,6 +6,9 @@ Shapes: CUDA 32 query / 8 KV heads, head_dim 128, bf16, context 1k/4k/32k, R in 
 CPU (scaled down) 8 / 2 heads, head_dim 64, float32, context 256/1024, R in {1, 8}. Chains of 8
 queries, causal, page size 16, permuted block tables. Bytes: each request's K and V read once
 plus q and out. FLOPs: 4 h_q head_dim per (query, visible key).
+The timed call is one layer's as a model forward makes it: with the forward's plan
+(ops.plan_verify_attention, made once per forward; its own time is plan_us) and an out= buffer.
+unplanned_us: the same call planning (and, on CUDA, allocating its scratch) by itself.
 """
 import torch
 
@@ -32,14 +35,21 @@ def main():
         kw = oc.attention_inputs(case, dev, dtype, gen_device=dev)
         args_ = [kw.pop(k) for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")]
         run = lambda backend: ops.verify_attention(*args_, backend=backend, **kw)
-        err = float((run(be).float() - run("reference").float()).abs().max())
-        us = median_us(lambda: run(be), dev)
+        q, cu_q, k_cache, _, bt, kv_lens = args_
+        make_plan = lambda: ops.plan_verify_attention(cu_q, kv_lens, bt, k_cache, h_q=h_q,
+                                                      causal=kw["causal"], backend=be)
+        plan, out = make_plan(), torch.empty_like(q)
+        planned = lambda: ops.verify_attention(*args_, plan=plan, out=out, **kw)
+        err = float((planned().float() - run("reference").float()).abs().max())
+        us = median_us(planned, dev)
+        unplanned_us = median_us(lambda: run(be), dev)
+        plan_us = median_us(make_plan, dev)
         ref_us = median_us(lambda: run("reference"), dev, warmup=1, runs=5)
         L = ctx + n
         nbytes = R * (2 * L * h_kv * hd * s + 2 * n * h_q * hd * s + 4 * (L // 16 + 1))
         flops = R * sum(4 * h_q * hd * (L - n + i + 1) for i in range(n))
         rep.add(f"R={R} ctx={ctx} h={h_q}/{h_kv} hd={hd}", us, ref_us, nbytes, flops,
-                max_abs_err_vs_ref=err)
+                max_abs_err_vs_ref=err, unplanned_us=round(unplanned_us, 1), plan_us=round(plan_us, 1))
     rep.finish()
 
 

@@ -51,6 +51,17 @@ void DefEnum(py::class_<S>& c, const char* cls, const char* name, E S::*field, i
 
 constexpr int kMaxDType = static_cast<int>(DType::kBFloat16);
 
+// Raises on a non-kOk status, naming the op.
+void Raise(const char* op, const std::string& backend, Status s) {
+  if (s == Status::kOk) return;
+  std::string msg = std::string(op) + " (" + backend + " backend): " + StatusString(s);
+#ifdef DSPARK_WITH_CUDA
+  if (s == Status::kCudaError) msg += std::string(": ") + cudaGetErrorString(cudaGetLastError());
+#endif
+  if (s == Status::kBadArgument) throw py::value_error(msg);
+  throw std::runtime_error(msg);
+}
+
 // Runs one launcher with the GIL released and raises on a non-kOk status.
 template <class P>
 void Launch(const char* op, Status (*cpu)(const P&), Status (*cuda)(const P&, void*),
@@ -72,13 +83,7 @@ void Launch(const char* op, Status (*cpu)(const P&), Status (*cuda)(const P&, vo
     throw py::value_error(std::string(op) + ": backend must be 'cpp' or 'cuda', got '" +
                           backend + "'");
   }
-  if (s == Status::kOk) return;
-  std::string msg = std::string(op) + " (" + backend + " backend): " + StatusString(s);
-#ifdef DSPARK_WITH_CUDA
-  if (s == Status::kCudaError) msg += std::string(": ") + cudaGetErrorString(cudaGetLastError());
-#endif
-  if (s == Status::kBadArgument) throw py::value_error(msg);
-  throw std::runtime_error(msg);
+  Raise(op, backend, s);
 }
 
 #ifdef DSPARK_WITH_CUDA
@@ -133,6 +138,7 @@ PYBIND11_MODULE(_C, m) {
     c.def_readwrite("confidence", &P::confidence);
     c.def_readwrite("confidence_markov", &P::confidence_markov);
     DefEnum(c, cls, "dtype", &P::dtype, 0, kMaxDType);
+    DefEnum(c, cls, "weight_dtype", &P::weight_dtype, 0, kMaxDType);
     DefEnum(c, cls, "out_dtype", &P::out_dtype, 0, kMaxDType);
     DefPtr(c, "logits", &P::logits);
     DefPtr(c, "hidden", &P::hidden);
@@ -225,6 +231,10 @@ PYBIND11_MODULE(_C, m) {
     DefPtr(c, "block_tables", &P::block_tables);
     DefPtr(c, "kv_lens", &P::kv_lens);
     DefPtr(c, "out", &P::out);
+    DefPtr(c, "work", &P::work);
+    DefPtr(c, "part_o", &P::part_o);
+    DefPtr(c, "part_lse", &P::part_lse);
+    c.def_readwrite("plan_slots", &P::plan_slots);
     m.def(
         "verify_attention",
         [](const P& p, const std::string& backend, uintptr_t stream) {
@@ -232,6 +242,24 @@ PYBIND11_MODULE(_C, m) {
                     p, backend, stream);
         },
         py::arg("params"), py::arg("backend"), py::arg("stream"));
+#ifdef DSPARK_WITH_CUDA
+    // The plan of a forward (CUDA only: the C++ CPU kernel partitions its work per call).
+    m.def(
+        "verify_attention_plan_slots",
+        [](const P& p, uintptr_t stream) {
+          int64_t slots = 0;
+          Raise("verify_attention_plan_slots", "cuda",
+                VerifyAttentionPlanSlots(p, reinterpret_cast<void*>(stream), &slots));
+          return slots;
+        },
+        py::arg("params"), py::arg("stream"));
+    m.def(
+        "verify_attention_plan",
+        [](const P& p, uintptr_t stream) {
+          Launch<P>("verify_attention_plan", nullptr, VerifyAttentionPlanCuda, p, "cuda", stream);
+        },
+        py::arg("params"), py::arg("stream"));
+#endif
   }
 
   m.def("build_info", &BuildInfo, "Build facts: version, cuda, cuda_archs, cuda_version, "

@@ -14,7 +14,9 @@ struct MarkovSampleParams {
   MarkovHead head = MarkovHead::kNone;
   bool confidence = false;         // a confidence head exists
   bool confidence_markov = false;  // its input is [h_k; W1[x_{k-1}]] instead of h_k
-  DType dtype = DType::kFloat32;   // logits, hidden and every weight
+  DType dtype = DType::kFloat32;   // logits U / z: the compute dtype of the head
+  DType weight_dtype = DType::kFloat32;  // hidden and every weight: dtype, or a 16-bit type under
+                                         // float32 logits (a bf16 model's head, fp32 logits)
   DType out_dtype = DType::kFloat32;  // logprob, lse, conf_logit: float64 iff dtype is float64
 
   void* logits = nullptr;          // [R, gamma, V] in: base logits U; out: z = U + bias

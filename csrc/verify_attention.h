@@ -19,9 +19,23 @@ struct VerifyAttentionParams {
   const int32_t* block_tables = nullptr;  // [R, max_pages]
   const int32_t* kv_lens = nullptr;    // [R] keys of request r, its own chain included (>= n_q)
   void* out = nullptr;                 // [N, h_q, head_dim]
+
+  // Plan (FlashInfer's plan/run): the CUDA tensor-core path's work partition and split-KV
+  // partials, made once per forward by VerifyAttentionPlanCuda from cu_q / kv_lens and reused
+  // by every layer. Null work: the launcher plans into its own scratch on every call.
+  int32_t* work = nullptr;    // [4 (R + 1)]: item_off | split | slot_off | merge_off
+  float* part_o = nullptr;    // [plan_slots, 64, head_dim] split partials O / l
+  float* part_lse = nullptr;  // [plan_slots, 64] their log2-sum-exp
+  int64_t plan_slots = 0;     // VerifyAttentionPlanSlots(p); 0: the path takes no plan
 };
 
 Status VerifyAttentionCpu(const VerifyAttentionParams& p);
 Status VerifyAttentionCuda(const VerifyAttentionParams& p, void* stream);
+
+// Partial slots a plan for p's dtype, head_dim and the device of `stream` needs (0: the
+// CUDA-core path, which takes no plan). Host only: no launch, no sync, safe in graph capture.
+Status VerifyAttentionPlanSlots(const VerifyAttentionParams& p, void* stream, int64_t* slots);
+// Writes p.work on `stream` from the device's cu_q / kv_lens (a no-op for a path without plan).
+Status VerifyAttentionPlanCuda(const VerifyAttentionParams& p, void* stream);
 
 }  // namespace dspark

@@ -312,6 +312,41 @@ def test_drafter_block_matches_dense(tmp_path, fmt, reference_attention):
                                                         meta.slot_mapping, True), cache)
 
 
+def _count_plans(monkeypatch):
+    """Counts ops.plan_verify_attention calls, and verify_attention calls by the plan they got."""
+    from dspark_rt import ops
+    made, used = [], []
+    plan, verify = ops.plan_verify_attention, ops.verify_attention
+    monkeypatch.setattr(ops, "plan_verify_attention", lambda *a, **k: made.append(plan(*a, **k)) or made[-1])
+    monkeypatch.setattr(ops, "verify_attention", lambda *a, **k: used.append(k.get("plan")) or verify(*a, **k))
+    return made, used
+
+
+def test_attention_planned_once_per_forward(tmp_path, monkeypatch):
+    """Target and drafter forwards plan verify_attention once and hand that plan to every layer
+    (FlashInfer's plan/run), through the public model API."""
+    tdir = testing.write_tiny_target(tmp_path / "t", seed=2, **{**SIZES, "head_dim": 32})
+    testing.write_tiny_drafter(tmp_path / "d", tdir, head="vanilla", markov_rank=8, layers=2,
+                               block_size=4, target_layer_ids=[0, 1], seed=4)
+    target = Qwen3Model.from_pretrained(tdir)
+    dr = Drafter.from_pretrained(tmp_path / "d", target)
+    made, used = _count_plans(monkeypatch)
+    pages = Pages(2, max_pages=4, seed=1)
+    cache = target.make_cache(pages.num_pages, PAGE)
+    for counts in ([3, 5], [1, 2]):  # prefill, then a verify-like step
+        meta, pos = pages.step(counts, causal=True)
+        made.clear(), used.clear()
+        target(torch.randint(0, SIZES["vocab"], (sum(counts),)), pos, meta, cache)
+        assert len(made) == 1 and len(used) == SIZES["layers"]
+        assert all(p is made[0] for p in used)
+    dpages = Pages(2, max_pages=4, seed=2)
+    dcache = dr.make_cache(dpages.num_pages, PAGE)
+    meta, pos = dpages.step([4, 4], causal=False)
+    made.clear(), used.clear()
+    dr.forward_block(torch.randint(0, SIZES["vocab"], (8,)), pos, meta, dcache)
+    assert len(made) == 1 and len(used) == 2 and all(p is made[0] for p in used)
+
+
 # -- KV cache and allocator ------------------------------------------------------------------------
 def test_kv_cache_write_lands_in_pages():
     cache = PagedKVCache(2, num_pages=3, page_size=4, h_kv=2, head_dim=8, dtype=torch.float64)

@@ -104,13 +104,15 @@ def _check_markov(case, dtype, kw, ref, got, where):
     bias = (zr - u.where(fin, 0.0)).abs()
     dz_all = (zr - z_g.double().where(fin, 0.0)).abs()
     bound = EPS[dtype] * (zr.abs() + bias) + 1e-5 * (1 + bias)
-    if case.head == "gated" and dtype in (F16, BF16):
-        # the gate's 16-bit roundings (pre-activation, sigmoid, g * e) may each land one step
-        # apart; a step in (g * e)_j moves bias_v by EPS |w2[v, j]| |e_j| at most (|g| <= 1):
-        # allow two steps of every component
+    wdt = kw["hidden"].dtype  # the weight dtype: dtype, or 16-bit under float32 logits
+    if case.head == "gated" and wdt in (F16, BF16):
+        # the gate's 16-bit roundings (pre-activation, sigmoid, g * e; with float32 logits only
+        # the rounding of g * e to the weight dtype) may each land one step apart; a step in
+        # (g * e)_j moves bias_v by EPS |w2[v, j]| |e_j| at most (|g| <= 1): allow two steps of
+        # every component
         prev = torch.cat([kw["anchor"][:, None], tok_r[:, :-1]], 1)
         e = kw["w1"][prev].double().abs()
-        bound = bound + 2 * EPS[dtype] * (e @ kw["w2"].double().abs().T)
+        bound = bound + 2 * EPS[wdt] * (e @ kw["w2"].double().abs().T)
     bad = dz_all > bound
     assert not bad.any(), f"z off by {float((dz_all - bound).max())} beyond tolerance: {where}"
     dz = dz_all.amax(-1).cpu()  # per step: how far the two z rows are apart
@@ -153,6 +155,24 @@ def test_markov_sample(case, dtype):
     _check_markov(case, dtype, kw, _markov(kw, "reference"), got, where)
     if dtype == F32 and _has_cpp():
         _check_markov(case, dtype, kw, _markov(_cpu(kw), "cpp"), got, where + " (vs cpp)")
+
+
+WEIGHT_KEYS = ("hidden", "w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b", "conf_w", "conf_b")
+
+
+@pytest.mark.parametrize("wdt", [BF16, F16], ids=str)
+@pytest.mark.parametrize("case", MARKOV_CASES, ids=str)
+def test_markov_sample_16bit_weights(case, wdt):
+    """The served configuration of a 16-bit model: 16-bit hidden and head weights (W2 through
+    tensor cores where rank % 32 == 0), float32 logits; against the reference of the same
+    dtypes and, for bf16, the C++ kernel."""
+    kw = {k: v.to(wdt) if k in WEIGHT_KEYS and v is not None else v
+          for k, v in _markov_inputs(case, F32).items()}
+    where = oc.where(case) + f" weights {wdt}"
+    got = _markov(kw, None if case.head == "rnn" else "cuda")
+    _check_markov(case, F32, kw, _markov(kw, "reference"), got, where)
+    if wdt == BF16 and _has_cpp():
+        _check_markov(case, F32, kw, _markov(_cpu(kw), "cpp"), got, where + " (vs cpp)")
 
 
 def test_markov_rnn_kernel_refuses():
@@ -258,6 +278,54 @@ def test_verify_attention(case, dtype):
         torch.testing.assert_close(got.cpu(), cpu, rtol=1e-5, atol=1e-5 * vmax, msg=lambda m: f"{m}\n{where}")
 
 
+def _attention_args(kw):
+    return [kw[k] for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")]
+
+
+@pytest.mark.parametrize("case,dtype", ATTENTION_CASES, ids=lambda x: str(x))
+def test_verify_attention_plan_reuse(case, dtype):
+    """A plan made once (work partition and split partials) and reused by several calls gives
+    bit for bit the result of per-call planning: same partition, same arithmetic."""
+    big = sum(case.ctx) * case.h_kv * case.head_dim > 2 ** 24
+    kw = oc.attention_inputs(case, DEV, dtype, gen_device=DEV if big else "cpu")
+    args = _attention_args(kw)
+    opts = dict(causal=kw["causal"], scale=kw["scale"])
+    plan = ops.plan_verify_attention(kw["cu_q"], kw["kv_lens"], kw["block_tables"], kw["k_cache"],
+                                     h_q=case.h_q, causal=case.causal)
+    assert plan.backend == "cuda"
+    want = ops.verify_attention(*args, **opts, backend="cuda")
+    out = torch.empty_like(want)
+    for _ in range(2):  # the plan's buffers are reused: a second layer must not see stale partials
+        assert torch.equal(ops.verify_attention(*args, **opts, plan=plan), want), oc.where(case)
+    assert torch.equal(ops.verify_attention(*args, **opts, plan=plan, out=out), want)
+
+
+def test_verify_attention_plan_in_cuda_graph():
+    """Planned inside a captured forward (no host sync, no allocation outside torch's graph
+    pool): replays follow new metadata values written into the captured buffers."""
+    case = AC((1, 3, 0, 5), (16, 37, 9, 4000), 8, 2, 128, 16)  # a long context: split-KV
+    kw = oc.attention_inputs(case, DEV, BF16)
+    q, cu_q, kc, vc, bt, kv_lens = _attention_args(kw)
+
+    def forward():
+        plan = ops.plan_verify_attention(cu_q, kv_lens, bt, kc, h_q=case.h_q)
+        return [ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, plan=plan) for _ in range(2)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # warm-up outside the capture (kernel attributes, allocator)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward()
+    for shrink in (0, 8):
+        kv_lens.copy_(torch.tensor([17, 40, 9, 4005], dtype=torch.int32, device=DEV) - shrink)
+        graph.replay()
+        want = ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, backend="cuda")
+        assert all(torch.equal(o, want) for o in outs), shrink
+
+
 # ---- append_kv (its binding arrives with the lead's CPU twin) ----------------------------------
 @pytest.mark.skipif(not hasattr(getattr(ops, "_C", None), "append_kv"), reason="no append_kv binding yet")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -289,13 +357,20 @@ _SANITIZE_SCRIPT = textwrap.dedent("""
     import torch
     from dspark_rt import ops
     from dspark_rt.testing import op_cases as oc
+    WEIGHTS = ("hidden", "w1", "w2", "gate_w", "gate_b", "conf_w", "conf_b")
     for dt in (torch.bfloat16, torch.float32):
         for c in (oc.MarkovCase(3, 2, 1100, "gated", rank=32, d=24, conf="markov"),
                   oc.MarkovCase(2, 2, 700, "vanilla", rank=20, temps="sampled"),
                   oc.MarkovCase(3, 2, 700, "vanilla", rank=20, temps="sampled", coupled="mixed")):
             kw = oc.markov_inputs(c, "cuda", dt)
-            ops.markov_sample(kw.pop("logits"), kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"),
-                              backend="cuda", **kw)
+            runs = [kw]
+            if dt == torch.float32:  # also bf16 hidden and weights under float32 logits (served)
+                runs.append({k: v.bfloat16() if k in WEIGHTS and v is not None else v
+                             for k, v in kw.items()})
+            for a in runs:
+                a = dict(a, logits=a["logits"].clone())
+                ops.markov_sample(a.pop("logits"), a.pop("hidden"), a.pop("anchor"), a.pop("head"),
+                                  backend="cuda", **a)
         for c in (oc.RejectionCase(4, 3, 9000, "random", "mixed"), oc.RejectionCase(3, 2, 1000, "full", "sampled"),
                   oc.RejectionCase(4, 3, 9000, "random", "mixed", coupled="mixed")):
             kw = oc.rejection_inputs(c, "cuda", dt)

@@ -39,17 +39,41 @@ void ParallelFor(int64_t n, bool parallel, const F& fn) {
   for (int64_t i = 0; i < n; ++i) fn(i);
 }
 
+// bfloat16 (raw bits) -> float, exact.
+DSPARK_ALWAYS_INLINE float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// x rounded to the nearest bfloat16 (ties to even, as torch rounds), returned as a float.
+DSPARK_ALWAYS_INLINE float RoundToBf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return x;  // NaN stays NaN
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+// A weight element in the arithmetic type: itself, or bfloat16 bits widened (exact).
+DSPARK_ALWAYS_INLINE float Widen(float x) { return x; }
+DSPARK_ALWAYS_INLINE double Widen(double x) { return x; }
+DSPARK_ALWAYS_INLINE float Widen(uint16_t b) { return Bf16ToFloat(b); }
+
 // dot(a, b) accumulated in T over kLanes independent partial sums (lets the compiler use SIMD
 // without -ffast-math), then summed pairwise. Same result for the same n on every call.
-template <class T>
-DSPARK_ALWAYS_INLINE T Dot(const T* a, const T* b, int64_t n) {
+// a may be bfloat16 bits under float b (widened on load).
+template <class W, class T>
+DSPARK_ALWAYS_INLINE T Dot(const W* a, const T* b, int64_t n) {
   constexpr int kLanes = 16;
   T acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < kLanes; ++j) acc[j] += Widen(a[i + j]) * b[i + j];
   }
-  for (int j = 0; i < n; ++i, ++j) acc[j] += a[i] * b[i];
+  for (int j = 0; i < n; ++i, ++j) acc[j] += Widen(a[i]) * b[i];
   for (int w = kLanes / 2; w > 0; w /= 2) {
     for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
   }
@@ -88,8 +112,21 @@ DSPARK_ALWAYS_INLINE void FoldPairs(const V& a, const V& b, V& out) {
   out = __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
 }
 
-template <class T, class V, class M>
-DSPARK_ALWAYS_INLINE void DotRows8Vec(const T* w, int64_t ld, const T* u, int64_t n, T out[8]) {
+// One vector of weights: 64 bytes of T, or 16 bfloat16 (32 bytes) widened to 16 floats in
+// registers, so a bfloat16 matrix is streamed at 2 bytes per element.
+typedef uint16_t Vec32U16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t Vec64U32 __attribute__((vector_size(64)));
+DSPARK_ALWAYS_INLINE void LoadVec(const float* p, Vec64F& v) { std::memcpy(&v, p, 64); }
+DSPARK_ALWAYS_INLINE void LoadVec(const double* p, Vec64D& v) { std::memcpy(&v, p, 64); }
+DSPARK_ALWAYS_INLINE void LoadVec(const uint16_t* p, Vec64F& v) {
+  Vec32U16 h;
+  std::memcpy(&h, p, 32);
+  const Vec64U32 x = __builtin_convertvector(h, Vec64U32) << 16;
+  std::memcpy(&v, &x, 64);
+}
+
+template <class T, class V, class M, class W>
+DSPARK_ALWAYS_INLINE void DotRows8Vec(const W* w, int64_t ld, const T* u, int64_t n, T out[8]) {
   constexpr int L = 64 / sizeof(T);
   V acc[8];
   for (int r = 0; r < 8; ++r) acc[r] = V{};
@@ -98,7 +135,7 @@ DSPARK_ALWAYS_INLINE void DotRows8Vec(const T* w, int64_t ld, const T* u, int64_
     V uv, wv;
     std::memcpy(&uv, u + i, 64);
     for (int r = 0; r < 8; ++r) {
-      std::memcpy(&wv, w + r * ld + i, 64);
+      LoadVec(w + r * ld + i, wv);
       acc[r] += wv * uv;
     }
   }
@@ -110,7 +147,7 @@ DSPARK_ALWAYS_INLINE void DotRows8Vec(const T* w, int64_t ld, const T* u, int64_
   if (L == 16) FoldPairs<V, M, L>(V(e), V(e), e);  // float: one more fold of 2 lanes per row
   for (int r = 0; r < 8; ++r) {
     T tail = 0;
-    for (int64_t k = i; k < n; ++k) tail += w[r * ld + k] * u[k];
+    for (int64_t k = i; k < n; ++k) tail += Widen(w[r * ld + k]) * u[k];
     out[r] = e[r] + tail;
   }
 }
@@ -123,9 +160,13 @@ DSPARK_ALWAYS_INLINE void DotRows8(const double* w, int64_t ld, const double* u,
                                    double out[8]) {
   DotRows8Vec<double, Vec64D, Mask64D>(w, ld, u, n, out);
 }
+DSPARK_ALWAYS_INLINE void DotRows8(const uint16_t* w, int64_t ld, const float* u, int64_t n,
+                                   float out[8]) {
+  DotRows8Vec<float, Vec64F, Mask64F>(w, ld, u, n, out);
+}
 #else
-template <class T>
-DSPARK_ALWAYS_INLINE void DotRows8(const T* w, int64_t ld, const T* u, int64_t n, T out[8]) {
+template <class W, class T>
+DSPARK_ALWAYS_INLINE void DotRows8(const W* w, int64_t ld, const T* u, int64_t n, T out[8]) {
   for (int r = 0; r < 8; ++r) out[r] = Dot(w + r * ld, u, n);
 }
 #endif

@@ -13,7 +13,12 @@
 // Dot products accumulate in T: for float32 the reference itself forms the bias with a float32
 // GEMM, so a double accumulator would not bring the two closer than their float32 rounding;
 // float64 accumulates in double.
+// bfloat16 weights under float32 logits (weight_dtype != dtype) are widened on load: the small
+// head weights and hidden once per call, w1 one row per request and step, w2 in registers as
+// the sweep streams it (2 bytes per element). The projected vector u is rounded to bfloat16
+// first, as the reference and the CUDA kernel do.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/kernel_util.h"
@@ -25,11 +30,25 @@ using namespace cpu;
 
 constexpr int64_t kSlice = 512;  // V rows of w2 per work item (a multiple of 4: Philox blocks)
 
+// src [n] as T: src itself when the weights are in T, else bfloat16 widened into buf.
+template <class T>
+const T* Widened(const void* src, int64_t n, bool widen, std::vector<T>& buf) {
+  if (!widen || !src) return static_cast<const T*>(src);
+  const uint16_t* b = static_cast<const uint16_t*>(src);
+  buf.resize(n);
+  for (int64_t i = 0; i < n; ++i) buf[i] = Bf16ToFloat(b[i]);
+  return buf.data();
+}
+
 template <class T>
 struct Ctx {
   const MarkovSampleParams& p;
   T* logits;
-  const T *hidden, *w1, *w2, *gate_w, *gate_b, *joint_w, *joint_b, *conf_w, *conf_b;
+  const T *hidden, *gate_w, *gate_b, *joint_w, *joint_b, *conf_w, *conf_b;
+  const void *w1, *w2;        // in the weight dtype
+  bool widen = false;         // weights are bfloat16, T is float
+  std::vector<T> widened[7];  // owners of the widened small weights
+  std::vector<T> e;           // [R, rank] w1[x_{k-1}] widened (widen only)
   std::vector<int64_t> prev;  // [R] x_{k-1}
   std::vector<T> proj;        // [R, rank] the vector w2 projects this step
   std::vector<T> state;       // [R, rank] RNN state
@@ -55,7 +74,15 @@ DSPARK_ALWAYS_INLINE void HeadStepImpl(Ctx<T>& c, int64_t r, int64_t k) {
   const MarkovSampleParams& p = c.p;
   const int64_t rank = p.rank, d = p.d;
   const T* h = c.hidden + (r * p.gamma + k) * d;
-  const T* e = c.w1 ? c.w1 + c.prev[r] * rank : nullptr;
+  const T* e = static_cast<const T*>(c.w1);
+  if (e && c.widen) {
+    T* row = c.e.data() + r * rank;
+    const uint16_t* src = static_cast<const uint16_t*>(c.w1) + c.prev[r] * rank;
+    for (int64_t i = 0; i < rank; ++i) row[i] = Bf16ToFloat(src[i]);
+    e = row;
+  } else if (e) {
+    e += c.prev[r] * rank;
+  }
   T* u = c.proj.data() + r * rank;
   switch (p.head) {
     case MarkovHead::kNone:
@@ -86,11 +113,26 @@ DSPARK_ALWAYS_INLINE void HeadStepImpl(Ctx<T>& c, int64_t r, int64_t k) {
       break;
     }
   }
+  if (c.widen && p.head != MarkovHead::kNone) {  // the projection reads u in the weight dtype
+    for (int64_t i = 0; i < rank; ++i) u[i] = RoundToBf16(static_cast<float>(u[i]));
+  }
   if (p.confidence) {
     T cl = Dot(c.conf_w, h, d) + c.conf_b[0];
     if (p.confidence_markov) cl += Dot(c.conf_w + d, e, rank);
     static_cast<T*>(p.conf_logit)[r * p.gamma + k] = cl;
   }
+}
+
+// z[j] += dot(w2[j, :], u) for the n rows of a slice (w2 in T, or bfloat16 widened on load).
+template <class W, class T>
+DSPARK_ALWAYS_INLINE void AddBias(const W* w2, const T* u, T* z, int64_t n, int64_t rank) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    T b[8];
+    DotRows8(w2 + j * rank, rank, u, rank, b);
+    for (int l = 0; l < 8; ++l) z[j + l] = z[j + l] + b[l];
+  }
+  for (; j < n; ++j) z[j] = z[j] + Dot(w2 + j * rank, u, rank);
 }
 
 // Step 2 for slice `sl` of V at step k, all requests.
@@ -103,15 +145,9 @@ DSPARK_ALWAYS_INLINE void SliceImpl(Ctx<T>& c, int64_t sl, int64_t k) {
   for (int64_t r = 0; r < p.R; ++r) {
     T* z = c.logits + (r * p.gamma + k) * p.V + v0;
     const T* u = c.proj.data() + r * rank;
-    if (bias) {
-      const T* w2 = c.w2 + v0 * rank;
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        T b[8];
-        DotRows8(w2 + j * rank, rank, u, rank, b);
-        for (int l = 0; l < 8; ++l) z[j + l] = z[j + l] + b[l];
-      }
-      for (; j < n; ++j) z[j] = z[j] + Dot(w2 + j * rank, u, rank);
+    if (bias && !c.widen) AddBias(static_cast<const T*>(c.w2) + v0 * rank, u, z, n, rank);
+    if constexpr (std::is_same_v<T, float>) {  // bfloat16 w2 under float32 logits
+      if (bias && c.widen) AddBias(static_cast<const uint16_t*>(c.w2) + v0 * rank, u, z, n, rank);
     }
     const bool greedy = p.temperature[r] == 0.0f;
     // z / T in double by division, exactly as the reference forms it (scores must agree).
@@ -139,17 +175,19 @@ DSPARK_CPU_CLONES void Slice(Ctx<double>& c, int64_t sl, int64_t k) { SliceImpl(
 template <class T>
 Status Run(const MarkovSampleParams& p) {
   Ctx<T> c(p);
+  const int64_t R = p.R, rank = p.rank, d = p.d;
+  const bool wd = c.widen = p.weight_dtype != p.dtype;
   c.logits = static_cast<T*>(p.logits);
-  c.hidden = static_cast<const T*>(p.hidden);
-  c.w1 = static_cast<const T*>(p.w1);
-  c.w2 = static_cast<const T*>(p.w2);
-  c.gate_w = static_cast<const T*>(p.gate_w);
-  c.gate_b = static_cast<const T*>(p.gate_b);
-  c.joint_w = static_cast<const T*>(p.joint_w);
-  c.joint_b = static_cast<const T*>(p.joint_b);
-  c.conf_w = static_cast<const T*>(p.conf_w);
-  c.conf_b = static_cast<const T*>(p.conf_b);
-  const int64_t R = p.R, rank = p.rank;
+  c.w1 = p.w1;
+  c.w2 = p.w2;
+  c.hidden = Widened<T>(p.hidden, R * p.gamma * d, wd, c.widened[0]);
+  c.gate_w = Widened<T>(p.gate_w, rank * (d + rank), wd, c.widened[1]);
+  c.gate_b = Widened<T>(p.gate_b, rank, wd, c.widened[2]);
+  c.joint_w = Widened<T>(p.joint_w, 3 * rank * (2 * rank + d), wd, c.widened[3]);
+  c.joint_b = Widened<T>(p.joint_b, 3 * rank, wd, c.widened[4]);
+  c.conf_w = Widened<T>(p.conf_w, d + (p.confidence_markov ? rank : 0), wd, c.widened[5]);
+  c.conf_b = Widened<T>(p.conf_b, 1, wd, c.widened[6]);
+  c.e.assign(wd ? R * rank : 0, T(0));
   c.prev.assign(p.anchor, p.anchor + R);
   c.proj.assign(R * rank, T(0));
   c.state.assign(p.head == MarkovHead::kRnn ? R * rank : 0, T(0));
@@ -193,6 +231,10 @@ Status Validate(const MarkovSampleParams& p) {
   const int head = static_cast<int>(p.head);
   if (head < 0 || head > static_cast<int>(MarkovHead::kRnn)) return Status::kBadArgument;
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat64) return Status::kUnsupported;
+  if (p.weight_dtype != p.dtype &&
+      !(p.dtype == DType::kFloat32 && p.weight_dtype == DType::kBFloat16)) {
+    return Status::kUnsupported;
+  }
   if (p.out_dtype != p.dtype) return Status::kBadArgument;  // float64 iff dtype is float64
   if (p.R == 0 || p.gamma == 0) return Status::kOk;
   if (p.V < 1 || !p.logits || !p.anchor || !p.temperature || !p.seed || !p.stream || !p.round ||

@@ -5,7 +5,7 @@
 // the whole vocabulary, so a step is a grid-wide sweep followed by a grid-wide reduction:
 //   * MarkovSweepKernel (many blocks): tiles the vocabulary; each block streams its tile of W2
 //     rows from HBM ONCE for all requests of the group (bias = W2_tile @ e_eff^T, tensor cores
-//     for 16-bit types), adds the bias into the logits in place (z), and folds z / T, the
+//     for 16-bit weights), adds the bias into the logits in place (z), and folds z / T, the
 //     Gumbel score (Philox) and the log-sum-exp into one partial per (block, request).
 //   * MarkovStepKernel (one block per request): merges the partials in a fixed order into x_k,
 //     lse_k, logprob_k, then prepares step k + 1: e = W1[x_k], the gated head's gate, the
@@ -15,6 +15,10 @@
 // every block co-resident and a barrier about as costly; two plain launches per step keep each
 // kernel's resources independent and are safe under CUDA-graph capture. Per step the floor is
 // W2's bytes (77.8 MB in bf16 for V = 151936, r = 256: ~18 us at 4.3 TB/s) plus the logits.
+//
+// Types: T is the logits' (z and every rounding of the head's arithmetic, as the reference
+// rounds it), W the weights' and hidden's (W = T, or 16-bit under float logits: a bf16 model's
+// head streams 2-byte W2 through tensor cores and still forms z in float32).
 //
 // Requests are processed in groups of up to 64 (each group sweeps W2 again): the bias tile and
 // e_eff of a group live in shared memory. The RNN head returns kUnsupported: its state update
@@ -48,7 +52,7 @@ struct Partial {
 struct SweepArgs {
   void* logits;           // group base, [G, gamma, V]
   const void* w2;         // [V, rank]
-  const void* e_eff;      // [G, rank] in the logits dtype: e, or g * e for the gated head
+  const void* e_eff;      // [G, rank] in the weight dtype: e, or g * e for the gated head
   const float* temperature;
   const uint64_t* seed;
   const int64_t* stream;
@@ -70,12 +74,12 @@ struct SweepArgs {
 // feeds two mma k-steps: thread t holds columns 8t..8t+7 and uses (8t, 8t+1 | 8t+2, 8t+3) as
 // logical k (2t, 2t+1 | 2t+8, 2t+9) of the first k-step and 8t+4..8t+7 for the second. A dot
 // product does not care about the order of k as long as A and B agree, and they do.
-template <class T>
-__device__ __forceinline__ void BiasTileMma(const SweepArgs& a, const T* es, float* bias, int v0) {
+template <class W>
+__device__ __forceinline__ void BiasTileMma(const SweepArgs& a, const W* es, float* bias, int v0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int bs = a.tv + 4, rank = a.rank, V = a.V;
   const int nt_count = (a.G + 7) >> 3;
-  const T* w2 = static_cast<const T*>(a.w2);
+  const W* w2 = static_cast<const W*>(a.w2);
   for (int mt = warp; mt < a.tv / 16; mt += kWarps) {
     if (v0 + mt * 16 >= V) break;
     const int r0 = v0 + mt * 16 + g, r1 = r0 + 8;
@@ -100,8 +104,8 @@ __device__ __forceinline__ void BiasTileMma(const SweepArgs& a, const T* es, flo
           for (int nt = 0; nt < 8; ++nt) {
             if (nt < nt_count) {
               const uint4 b = *reinterpret_cast<const uint4*>(es + (nt * 8 + g) * a.es_stride + kb + c * 32 + t * 8);
-              Mma16816<T>(acc[nt], a0[c].x, a1[c].x, a0[c].y, a1[c].y, b.x, b.y);
-              Mma16816<T>(acc[nt], a0[c].z, a1[c].z, a0[c].w, a1[c].w, b.z, b.w);
+              Mma16816<W>(acc[nt], a0[c].x, a1[c].x, a0[c].y, a1[c].y, b.x, b.y);
+              Mma16816<W>(acc[nt], a0[c].z, a1[c].z, a0[c].w, a1[c].w, b.z, b.w);
             }
           }
         }
@@ -123,14 +127,14 @@ __device__ __forceinline__ void BiasTileMma(const SweepArgs& a, const T* es, flo
 
 // ---- bias tile: CUDA cores (float32, or ranks the tensor-core path cannot take) ---------------
 // Thread = (vocabulary row, group of 8 requests); e is read from shared memory as a broadcast.
-template <class T>
+template <class W>
 __device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, const float* es, float* bias, int v0) {
   const int bs = a.tv + 4, rank = a.rank, ngrp = (a.G + 7) >> 3;
-  const T* w2 = static_cast<const T*>(a.w2);
+  const W* w2 = static_cast<const W*>(a.w2);
   for (int i = threadIdx.x; i < a.tv * ngrp; i += kThreads) {
     const int vl = i % a.tv, grp = i / a.tv, row = v0 + vl;
     if (row >= a.V) continue;
-    const T* wr = w2 + static_cast<int64_t>(row) * rank;
+    const W* wr = w2 + static_cast<int64_t>(row) * rank;
     const float* eb = es + grp * 8 * a.es_stride;
     float acc[8] = {};
     if (a.w2_vec) {
@@ -157,7 +161,7 @@ __device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, const float* es
 }
 
 // ---- the sweep --------------------------------------------------------------------------------
-template <class T, bool kMma>
+template <class T, class W, bool kMma>
 __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int G = a.G, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -177,12 +181,12 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   }
   if (a.has_bias) {
     // e_eff of every request (zero rows pad the group to a multiple of 8 for the mma N tiles).
-    const T* eg = static_cast<const T*>(a.e_eff);
+    const W* eg = static_cast<const W*>(a.e_eff);
     for (int i = threadIdx.x; i < gpad * a.es_stride; i += kThreads) {
       const int row = i / a.es_stride, j = i - row * a.es_stride;
-      const T val = (row < G && j < a.rank) ? eg[row * a.rank + j] : FromFloat<T>(0.f);
+      const W val = (row < G && j < a.rank) ? eg[row * a.rank + j] : FromFloat<W>(0.f);
       if constexpr (kMma) {
-        reinterpret_cast<T*>(smem + a.off_es)[i] = val;
+        reinterpret_cast<W*>(smem + a.off_es)[i] = val;
       } else {
         reinterpret_cast<float*>(smem + a.off_es)[i] = ToFloat(val);
       }
@@ -196,9 +200,9 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
     const int v0 = tile * a.tv;
     if (a.has_bias) {
       if constexpr (kMma) {
-        BiasTileMma<T>(a, reinterpret_cast<const T*>(smem + a.off_es), bias, v0);
+        BiasTileMma<W>(a, reinterpret_cast<const W*>(smem + a.off_es), bias, v0);
       } else {
-        BiasTileFfma<T>(a, reinterpret_cast<const float*>(smem + a.off_es), bias, v0);
+        BiasTileFfma<W>(a, reinterpret_cast<const float*>(smem + a.off_es), bias, v0);
       }
     }
     __syncthreads();
@@ -350,7 +354,7 @@ struct StepArgs {
 };
 
 // Finishes step k (k >= 0) and prepares step k + 1; k = -1 prepares step 0 from the anchors.
-template <class T>
+template <class T, class W>
 __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
   __shared__ float e_s[kMaxRank];
   __shared__ double red_best[kWarps], red_s[kWarps];
@@ -408,28 +412,28 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
   if (kn >= a.gamma) return;
   const bool gated = a.head == MarkovHead::kGated;
   const bool need_e = a.head == MarkovHead::kVanilla || gated || (a.confidence && a.confidence_markov);
-  const T* w1 = static_cast<const T*>(a.w1);
+  const W* w1 = static_cast<const W*>(a.w1);
   if (need_e) {
     for (int j = threadIdx.x; j < a.rank; j += kThreads) e_s[j] = ToFloat(w1[static_cast<int64_t>(x) * a.rank + j]);
     __syncthreads();
   }
-  T* e_out = static_cast<T*>(a.e_eff) + static_cast<int64_t>(rq) * a.rank;
+  W* e_out = static_cast<W*>(a.e_eff) + static_cast<int64_t>(rq) * a.rank;
   if (gated) {
     // g = sigmoid(gate_w @ [h; e] + gate_b), rounded as the reference rounds each op; the h half
     // of the product was computed once for all steps by MarkovProjKernel.
-    const T* gw = static_cast<const T*>(a.gate_w);
-    const T* gb = static_cast<const T*>(a.gate_b);
+    const W* gw = static_cast<const W*>(a.gate_w);
+    const W* gb = static_cast<const W*>(a.gate_b);
     const int ld = a.d + a.rank;
     const float* hg = a.hg + (static_cast<int64_t>(rq) * a.gamma + kn) * a.rank;
     for (int i = warp; i < a.rank; i += kWarps) {
-      const T* wr = gw + static_cast<int64_t>(i) * ld + a.d;
+      const W* wr = gw + static_cast<int64_t>(i) * ld + a.d;
       float acc = 0.f;
       for (int j = lane; j < a.rank; j += 32) acc = fmaf(ToFloat(wr[j]), e_s[j], acc);
       acc = WarpSum(acc);
       if (lane == 0) {
         const float pre = RoundTo<T>(RoundTo<T>(acc + hg[i]) + ToFloat(gb[i]));
         const float gate = RoundTo<T>(1.f / (1.f + expf(-pre)));
-        e_out[i] = FromFloat<T>(gate * e_s[i]);
+        e_out[i] = FromFloat<W>(RoundTo<T>(gate * e_s[i]));  // g * e in T, then W
       }
     }
   } else if (a.head == MarkovHead::kVanilla) {
@@ -438,13 +442,13 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
   if (a.confidence) {
     float dot = 0.f;
     if (a.confidence_markov) {
-      const T* cw = static_cast<const T*>(a.conf_w) + a.d;
+      const W* cw = static_cast<const W*>(a.conf_w) + a.d;
       for (int j = threadIdx.x; j < a.rank; j += kThreads) dot = fmaf(ToFloat(cw[j]), e_s[j], dot);
     }
     dot = BlockSum(dot, red_f);
     if (threadIdx.x == 0) {
       const int64_t o = static_cast<int64_t>(rq) * a.gamma + kn;
-      const float cb = ToFloat(static_cast<const T*>(a.conf_b)[0]);
+      const float cb = ToFloat(static_cast<const W*>(a.conf_b)[0]);
       a.conf_logit[o] = RoundTo<T>(RoundTo<T>(a.hc[o] + dot) + cb);
     }
   }
@@ -464,7 +468,7 @@ struct ProjArgs {
   bool vec;
 };
 
-template <class T>
+template <class W>
 __global__ void __launch_bounds__(kThreads) MarkovProjKernel(ProjArgs a) {
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * kThreads + threadIdx.x) >> 5;
@@ -472,17 +476,17 @@ __global__ void __launch_bounds__(kThreads) MarkovProjKernel(ProjArgs a) {
   const int row_tiles = (nrows + 3) / 4, vec_tiles = (a.N + 7) / 8;
   if (warp >= row_tiles * vec_tiles) return;
   const int rt = warp % row_tiles, vt = warp / row_tiles;
-  const T* wp[4];
-  const T* hp[8];
+  const W* wp[4];
+  const W* hp[8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = min(rt * 4 + i, nrows - 1);  // clamped duplicates are computed, not stored
-    wp[i] = row < a.rank_rows ? static_cast<const T*>(a.gate_w) + static_cast<int64_t>(row) * a.ld_gate
-                              : static_cast<const T*>(a.conf_w);
+    wp[i] = row < a.rank_rows ? static_cast<const W*>(a.gate_w) + static_cast<int64_t>(row) * a.ld_gate
+                              : static_cast<const W*>(a.conf_w);
   }
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
-    hp[q] = static_cast<const T*>(a.hidden) + static_cast<int64_t>(min(vt * 8 + q, a.N - 1)) * a.d;
+    hp[q] = static_cast<const W*>(a.hidden) + static_cast<int64_t>(min(vt * 8 + q, a.N - 1)) * a.d;
   }
   float acc[4][8] = {};
   if (a.vec) {
@@ -564,9 +568,9 @@ SweepLayout MakeSweepLayout(int G, int tv, int rank, bool mma, int elem_bytes, b
   return l;
 }
 
-template <class T, bool kMma>
+template <class T, class W, bool kMma>
 Status LaunchSweep(SweepArgs a, int smem, int blocks, cudaStream_t stream) {
-  auto kernel = MarkovSweepKernel<T, kMma>;
+  auto kernel = MarkovSweepKernel<T, W, kMma>;
   if (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     return Status::kCudaError;
   }
@@ -574,9 +578,9 @@ Status LaunchSweep(SweepArgs a, int smem, int blocks, cudaStream_t stream) {
   return LaunchStatus();
 }
 
-template <class T, bool kMma>
+template <class T, class W, bool kMma>
 Status SweepGrid(int smem, const DeviceLimits& lim, int* blocks) {
-  auto kernel = MarkovSweepKernel<T, kMma>;
+  auto kernel = MarkovSweepKernel<T, W, kMma>;
   if (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     return Status::kCudaError;
   }
@@ -588,23 +592,23 @@ Status SweepGrid(int smem, const DeviceLimits& lim, int* blocks) {
   return Status::kOk;
 }
 
-// The tensor-core sweep exists for 16-bit types only (no float instantiation).
-template <class T>
+// The tensor-core sweep exists for 16-bit weights only (no float instantiation).
+template <class T, class W>
 Status SweepGridFor(bool mma, int smem, const DeviceLimits& lim, int* blocks) {
-  if constexpr (sizeof(T) == 2) {
-    if (mma) return SweepGrid<T, true>(smem, lim, blocks);
+  if constexpr (sizeof(W) == 2) {
+    if (mma) return SweepGrid<T, W, true>(smem, lim, blocks);
   }
-  return SweepGrid<T, false>(smem, lim, blocks);
+  return SweepGrid<T, W, false>(smem, lim, blocks);
 }
-template <class T>
+template <class T, class W>
 Status LaunchSweepFor(bool mma, const SweepArgs& a, int smem, int blocks, cudaStream_t stream) {
-  if constexpr (sizeof(T) == 2) {
-    if (mma) return LaunchSweep<T, true>(a, smem, blocks, stream);
+  if constexpr (sizeof(W) == 2) {
+    if (mma) return LaunchSweep<T, W, true>(a, smem, blocks, stream);
   }
-  return LaunchSweep<T, false>(a, smem, blocks, stream);
+  return LaunchSweep<T, W, false>(a, smem, blocks, stream);
 }
 
-template <class T>
+template <class T, class W>
 Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   DeviceLimits lim;
   if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
@@ -612,7 +616,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   const int rank = static_cast<int>(p.rank), d = static_cast<int>(p.d);
   const bool has_bias = p.head == MarkovHead::kVanilla || p.head == MarkovHead::kGated;
   const bool gated = p.head == MarkovHead::kGated;
-  constexpr int kElem = sizeof(T);
+  constexpr int kElem = sizeof(W);  // weights; the logits are T
   const bool mma = has_bias && kElem == 2 && rank % 32 == 0 && Aligned(p.w2, 16);
 
   // Group size: as many requests per W2 sweep as the shared memory takes (at most 64).
@@ -624,13 +628,13 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   }
   if (lay.bytes > lim.smem_optin) return Status::kUnsupported;
   int max_blocks = 0;  // co-resident blocks at the largest tile (smaller tiles only fit more)
-  Status st = SweepGridFor<T>(mma, lay.bytes, lim, &max_blocks);
+  Status st = SweepGridFor<T, W>(mma, lay.bytes, lim, &max_blocks);
   if (st != Status::kOk) return st;
   const int nblocks = max_blocks;
 
   Scratch scratch(stream);
   Partial* partials = nullptr;
-  T* e_eff = nullptr;
+  W* e_eff = nullptr;
   float* hg = nullptr;
   float* hc = nullptr;
   if ((st = scratch.Get(static_cast<size_t>(nblocks) * G, &partials)) != Status::kOk) return st;
@@ -654,7 +658,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     const int nrows = pa.rank_rows + (p.confidence ? 1 : 0);
     const int64_t warps = CeilDiv(nrows, 4) * CeilDiv(pa.N, 8);
     if (d > 0) {
-      MarkovProjKernel<T><<<static_cast<unsigned>(CeilDiv(warps, kWarps)), kThreads, 0, stream>>>(pa);
+      MarkovProjKernel<W><<<static_cast<unsigned>(CeilDiv(warps, kWarps)), kThreads, 0, stream>>>(pa);
     } else {
       if (gated) cudaMemsetAsync(hg, 0, sizeof(float) * R * gamma * rank, stream);
       if (p.confidence) cudaMemsetAsync(hc, 0, sizeof(float) * R * gamma, stream);
@@ -692,7 +696,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     sa.off_slot_idx = gl.off_slot_idx;
     sa.off_es = gl.off_es;
     sa.has_bias = has_bias;
-    sa.vec = V % 4 == 0 && Aligned(p.logits, 4 * kElem);
+    sa.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T));
     sa.w2_vec = has_bias && rank % 4 == 0 && Aligned(p.w2, 4 * kElem);
     // Every block gets the same number of tiles (k or k - 1): a tail where few blocks stream
     // alone would leave HBM idle.
@@ -728,14 +732,14 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     ta.confidence_markov = p.confidence_markov;
 
     ta.k = -1;
-    MarkovStepKernel<T><<<Gg, kThreads, 0, stream>>>(ta);
+    MarkovStepKernel<T, W><<<Gg, kThreads, 0, stream>>>(ta);
     if ((st = LaunchStatus()) != Status::kOk) return st;
     for (int k = 0; k < gamma; ++k) {
       sa.k = k;
-      st = LaunchSweepFor<T>(mma, sa, gl.bytes, gblocks, stream);
+      st = LaunchSweepFor<T, W>(mma, sa, gl.bytes, gblocks, stream);
       if (st != Status::kOk) return st;
       ta.k = k;
-      MarkovStepKernel<T><<<Gg, kThreads, 0, stream>>>(ta);
+      MarkovStepKernel<T, W><<<Gg, kThreads, 0, stream>>>(ta);
       if ((st = LaunchStatus()) != Status::kOk) return st;
     }
   }
@@ -773,7 +777,16 @@ Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream) {
   if (p.confidence && (!p.conf_w || !p.conf_b || !p.hidden)) return Status::kBadArgument;
   const cudaStream_t stream_ = AsStream(stream);
   DeviceGuard guard(stream_);
-  DSPARK_DISPATCH_FLOAT(p.dtype, return MarkovLaunch<scalar_t>(p, stream_););
+  if (p.weight_dtype == p.dtype) {
+    DSPARK_DISPATCH_FLOAT(p.dtype, return MarkovLaunch<scalar_t, scalar_t>(p, stream_););
+  }
+  // A bf16/fp16 model's head under float32 logits: weights in 16 bits (tensor cores), z in float.
+  if (p.dtype == DType::kFloat32 && p.weight_dtype == DType::kBFloat16) {
+    return MarkovLaunch<float, __nv_bfloat16>(p, stream_);
+  }
+  if (p.dtype == DType::kFloat32 && p.weight_dtype == DType::kFloat16) {
+    return MarkovLaunch<float, __half>(p, stream_);
+  }
   return Status::kUnsupported;
 }
 

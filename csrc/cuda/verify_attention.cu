@@ -14,6 +14,9 @@
 //      row, so any page size works); online softmax in the exp2 domain. Unsplit items write the
 //      output; split items write (O / l, log2-sum-exp) partials.
 //   3. AttnMergeKernel: log-sum-exp merge of the partials of split items.
+// Step 1 runs once per forward when the caller planned (VerifyAttentionPlanCuda into buffers it
+// owns, FlashInfer's plan/run): every layer of the forward then launches 2 and 3 only, with no
+// allocation of its own. Unplanned calls plan into stream-ordered scratch.
 // Other head dims and float32 take AttnSimtKernel, a plain CUDA-core kernel (a warp per query
 // and head) meant for correctness, not speed.
 //
@@ -521,43 +524,49 @@ __global__ void __launch_bounds__(kThreads) AttnSimtKernel(AttnArgs a) {
 }
 
 // ---- host ------------------------------------------------------------------------------------
+// The persistent tensor-core grid: as many blocks as are co-resident on the device.
 template <class T, int HD>
-Status LaunchTensorCore(AttnArgs a, const DeviceLimits& lim, cudaStream_t stream) {
+Status TensorCoreGrid(const DeviceLimits& lim, int* target, int* smem) {
   auto kernel = AttnKernel<T, HD>;
-  const int smem = (kBlockM + 4 * kBlockN) * HD * static_cast<int>(sizeof(T));
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+  *smem = (kBlockM + 4 * kBlockN) * HD * static_cast<int>(sizeof(T));
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, *smem) != cudaSuccess) {
     return Status::kCudaError;
   }
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, *smem) != cudaSuccess) {
     return Status::kCudaError;
   }
-  const int target = std::max(1, per_sm) * lim.sm_count;
-  Scratch scratch(stream);
-  Status st;
-  int* plan = nullptr;
-  const size_t n1 = static_cast<size_t>(a.R) + 1;
-  if ((st = scratch.Get(4 * n1, &plan)) != Status::kOk) return st;
-  a.item_off = plan;
-  a.split = plan + n1;
-  a.slot_off = plan + 2 * n1;
-  a.merge_off = plan + 3 * n1;
-  // Split slots never exceed units + target < 2 * target (see AttnPlanKernel).
-  const size_t slots = 2 * static_cast<size_t>(target);
-  if ((st = scratch.Get(slots * kBlockM * HD, &a.part_o)) != Status::kOk) return st;
-  if ((st = scratch.Get(slots * kBlockM, &a.part_lse)) != Status::kOk) return st;
-  AttnPlanKernel<<<1, 1024, 0, stream>>>(a, target);
-  if ((st = LaunchStatus()) != Status::kOk) return st;
-  kernel<<<target, kThreads, smem, stream>>>(a);
-  if ((st = LaunchStatus()) != Status::kOk) return st;
-  AttnMergeKernel<T><<<target, kThreads, 0, stream>>>(a);
-  return LaunchStatus();
+  *target = std::max(1, per_sm) * lim.sm_count;
+  return Status::kOk;
 }
 
+// Same for p's type and head_dim; *target = 0 where p takes the CUDA-core path (which needs no
+// plan). A tensor-core call whose pointers turn out misaligned also falls back to it at run
+// time and ignores its plan.
 template <class T>
-Status Launch(const VerifyAttentionParams& p, cudaStream_t stream) {
-  DeviceLimits lim;
-  if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
+Status TensorCoreGridFor(const VerifyAttentionParams& p, const DeviceLimits& lim, int* target, int* smem) {
+  *target = 0;
+  if constexpr (sizeof(T) == 2) {
+    if (p.head_dim == 128) return TensorCoreGrid<T, 128>(lim, target, smem);
+    if (p.head_dim == 64) return TensorCoreGrid<T, 64>(lim, target, smem);
+  }
+  return Status::kOk;
+}
+
+// Split slots never exceed units + target < 2 * target (see AttnPlanKernel).
+int64_t SlotsFor(int target) { return 2 * static_cast<int64_t>(target); }
+
+void SetPlan(AttnArgs& a, int32_t* work, float* part_o, float* part_lse) {
+  const int n1 = a.R + 1;
+  a.item_off = work;
+  a.split = work + n1;
+  a.slot_off = work + 2 * n1;
+  a.merge_off = work + 3 * n1;
+  a.part_o = part_o;
+  a.part_lse = part_lse;
+}
+
+AttnArgs MakeArgs(const VerifyAttentionParams& p) {
   AttnArgs a{};
   a.q = p.q;
   a.cu_q = p.cu_q;
@@ -576,15 +585,86 @@ Status Launch(const VerifyAttentionParams& p, cudaStream_t stream) {
   a.num_pages = static_cast<int>(std::min<int64_t>(p.num_pages, 0x7fffffff));
   a.causal = p.causal;
   a.scale_log2 = p.scale * kLog2e;
+  return a;
+}
+
+template <class T, int HD>
+Status LaunchTensorCore(AttnArgs a, const VerifyAttentionParams& p, const DeviceLimits& lim, cudaStream_t stream) {
+  int target = 0, smem = 0;
+  Status st = TensorCoreGrid<T, HD>(lim, &target, &smem);
+  if (st != Status::kOk) return st;
+  Scratch scratch(stream);
+  if (p.work) {  // planned once for the whole forward
+    if (p.plan_slots < SlotsFor(target) || !p.part_o || !p.part_lse) return Status::kBadArgument;
+    SetPlan(a, p.work, p.part_o, p.part_lse);
+  } else {
+    int32_t* work = nullptr;
+    float *part_o = nullptr, *part_lse = nullptr;
+    const size_t slots = static_cast<size_t>(SlotsFor(target));
+    if ((st = scratch.Get(4 * (static_cast<size_t>(a.R) + 1), &work)) != Status::kOk) return st;
+    if ((st = scratch.Get(slots * kBlockM * HD, &part_o)) != Status::kOk) return st;
+    if ((st = scratch.Get(slots * kBlockM, &part_lse)) != Status::kOk) return st;
+    SetPlan(a, work, part_o, part_lse);
+    AttnPlanKernel<<<1, 1024, 0, stream>>>(a, target);
+    if ((st = LaunchStatus()) != Status::kOk) return st;
+  }
+  AttnKernel<T, HD><<<target, kThreads, smem, stream>>>(a);
+  if ((st = LaunchStatus()) != Status::kOk) return st;
+  AttnMergeKernel<T><<<target, kThreads, 0, stream>>>(a);
+  return LaunchStatus();
+}
+
+template <class T>
+Status Launch(const VerifyAttentionParams& p, cudaStream_t stream) {
+  DeviceLimits lim;
+  if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
+  const AttnArgs a = MakeArgs(p);
   if constexpr (sizeof(T) == 2) {
     const bool aligned = Aligned(p.q, 16) && Aligned(p.k_cache, 16) && Aligned(p.v_cache, 16) && Aligned(p.out, 16);
-    if (aligned && p.head_dim == 128) return LaunchTensorCore<T, 128>(a, lim, stream);
-    if (aligned && p.head_dim == 64) return LaunchTensorCore<T, 64>(a, lim, stream);
+    if (aligned && p.head_dim == 128) return LaunchTensorCore<T, 128>(a, p, lim, stream);
+    if (aligned && p.head_dim == 64) return LaunchTensorCore<T, 64>(a, p, lim, stream);
   }
   if (p.head_dim > kSimtMaxHd) return Status::kUnsupported;
   if (p.R > 0x7fffffff || p.h_q > 65535) return Status::kUnsupported;
   AttnSimtKernel<T><<<dim3(static_cast<unsigned>(p.R), static_cast<unsigned>(p.h_q)), kThreads, 0, stream>>>(a);
   return LaunchStatus();
+}
+
+template <class T>
+Status PlanSlots(const VerifyAttentionParams& p, int64_t* slots) {
+  DeviceLimits lim;
+  if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
+  int target = 0, smem = 0;
+  const Status st = TensorCoreGridFor<T>(p, lim, &target, &smem);
+  *slots = target > 0 ? SlotsFor(target) : 0;
+  return st;
+}
+
+template <class T>
+Status Plan(const VerifyAttentionParams& p, cudaStream_t stream) {
+  DeviceLimits lim;
+  if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
+  int target = 0, smem = 0;
+  Status st = TensorCoreGridFor<T>(p, lim, &target, &smem);
+  if (st != Status::kOk || target == 0) return st;
+  if (!p.work || !p.part_o || !p.part_lse || p.plan_slots < SlotsFor(target)) return Status::kBadArgument;
+  AttnArgs a = MakeArgs(p);
+  SetPlan(a, p.work, p.part_o, p.part_lse);
+  AttnPlanKernel<<<1, 1024, 0, stream>>>(a, target);
+  return LaunchStatus();
+}
+
+// Sizes every launcher accepts (they keep 32-bit indices in the kernels).
+Status CheckSizes(const VerifyAttentionParams& p) {
+  if (p.R < 0 || p.h_q < 1 || p.h_kv < 1 || p.h_q % p.h_kv != 0 || p.head_dim < 1 || p.page_size < 1 ||
+      p.num_pages < 0 || p.max_pages < 0) {
+    return Status::kBadArgument;
+  }
+  if (p.R >= (1ll << 24) || p.h_q * p.head_dim > (1ll << 24) || p.page_size > (1ll << 24) ||
+      p.max_pages * p.page_size > (1ll << 30)) {
+    return Status::kUnsupported;
+  }
+  return Status::kOk;
 }
 
 }  // namespace
@@ -594,24 +674,35 @@ namespace dspark {
 
 Status VerifyAttentionCuda(const VerifyAttentionParams& p, void* stream) {
   using namespace dspark::cuda;
-  if (p.R < 0 || p.h_q < 1 || p.h_kv < 1 || p.h_q % p.h_kv != 0 || p.head_dim < 1 || p.page_size < 1 ||
-      p.num_pages < 0 || p.max_pages < 0) {
-    return Status::kBadArgument;
-  }
-  if (p.R == 0) return Status::kOk;
+  if (Status s = CheckSizes(p); s != Status::kOk || p.R == 0) return s;
   if (!p.cu_q || !p.kv_lens) return Status::kBadArgument;
   // NOTE: q and out have no storage when N = 0 (torch hands out a null data_ptr for an empty CUDA
   // tensor, e.g. a batch of empty chains); then every chain is empty and there is nothing to do.
   // The host cannot read cu_q to tell (no sync), so a null q / out means N = 0, as on the CPU.
   if (!p.q || !p.out) return Status::kOk;
   if (!p.k_cache || !p.v_cache || (p.max_pages > 0 && !p.block_tables)) return Status::kBadArgument;
-  if (p.R >= (1ll << 24) || p.h_q * p.head_dim > (1ll << 24) || p.page_size > (1ll << 24) ||
-      p.max_pages * p.page_size > (1ll << 30)) {
-    return Status::kUnsupported;
-  }
   const cudaStream_t s = AsStream(stream);
   DeviceGuard guard(s);
   DSPARK_DISPATCH_FLOAT(p.dtype, return Launch<scalar_t>(p, s););
+  return Status::kUnsupported;
+}
+
+Status VerifyAttentionPlanSlots(const VerifyAttentionParams& p, void* stream, int64_t* slots) {
+  using namespace dspark::cuda;
+  *slots = 0;
+  if (Status s = CheckSizes(p); s != Status::kOk) return s;
+  DeviceGuard guard(AsStream(stream));
+  DSPARK_DISPATCH_FLOAT(p.dtype, return PlanSlots<scalar_t>(p, slots););
+  return Status::kUnsupported;
+}
+
+Status VerifyAttentionPlanCuda(const VerifyAttentionParams& p, void* stream) {
+  using namespace dspark::cuda;
+  if (Status s = CheckSizes(p); s != Status::kOk || p.R == 0) return s;
+  if (!p.cu_q || !p.kv_lens) return Status::kBadArgument;
+  const cudaStream_t s = AsStream(stream);
+  DeviceGuard guard(s);
+  DSPARK_DISPATCH_FLOAT(p.dtype, return Plan<scalar_t>(p, s););
   return Status::kUnsupported;
 }
 

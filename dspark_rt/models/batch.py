@@ -3,6 +3,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import ops
+
 
 @dataclass
 class AttnMeta:
@@ -20,3 +22,9 @@ class AttnMeta:
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+
+    def plan(self, k_cache: torch.Tensor, h_q: int) -> "ops.VerifyAttentionPlan":
+        """The verify_attention plan of a forward over this batch (ops.plan_verify_attention),
+        made once and passed to every layer; k_cache: any layer's cache (they share a shape)."""
+        return ops.plan_verify_attention(self.cu_q, self.kv_lens, self.block_tables, k_cache,
+                                         h_q=h_q, causal=self.causal)

@@ -118,6 +118,7 @@ class Drafter(nn.Module):
                              "bidirectionally)")
         h = self.embed(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
+        plan = meta.plan(cache.k[0], self.layers[0].self_attn.h_q)  # once, for every layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, cache, i)
+            h = layer(h, cos, sin, meta, cache, i, plan)
         return self.norm(h)

@@ -108,7 +108,8 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.h_kv, self.head_dim)
 
-    def forward(self, x, cos, sin, meta: AttnMeta, cache: PagedKVCache, layer: int):
+    def forward(self, x, cos, sin, meta: AttnMeta, cache: PagedKVCache, layer: int, plan=None):
+        """plan: meta.plan(...) of this forward, shared by every layer (None: the op plans)."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.h_q, self.head_dim)
         if self.q_norm is not None:
@@ -117,7 +118,8 @@ class Attention(nn.Module):
         k, v = self.project_kv(x, cos, sin)
         cache.write(layer, k, v, meta.slot_mapping)  # the op reads the new keys from the cache
         o = ops.verify_attention(q, meta.cu_q, cache.k[layer], cache.v[layer], meta.block_tables,
-                                 meta.kv_lens, causal=meta.causal, scale=self.head_dim ** -0.5)
+                                 meta.kv_lens, causal=meta.causal, scale=self.head_dim ** -0.5,
+                                 plan=plan)
         return self.o_proj(o.reshape(n, self.h_q * self.head_dim))
 
 
@@ -141,8 +143,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, meta, cache, layer: int):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache, layer)
+    def forward(self, h, cos, sin, meta, cache, layer: int, plan=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache, layer, plan)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -224,8 +226,9 @@ class Qwen3Model(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         captured = {-1: h} if -1 in capture else {}
+        plan = meta.plan(cache.k[0], self.layers[0].self_attn.h_q)  # once, for every layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, cache, i)
+            h = layer(h, cos, sin, meta, cache, i, plan)
             if i in capture:
                 captured[i] = h
         features = torch.cat([captured[l] for l in capture], dim=-1) if capture else None

@@ -5,9 +5,13 @@ a backend and hands raw pointers, sizes and the current stream to the extension.
 "reference" (ops/reference.py, plain PyTorch, the ground truth), "cpp" (C++ CPU kernels) and
 "cuda". The default follows the tensors' device; DSPARK_BACKEND=reference forces the reference.
 One op/argument pair has no kernel: markov_sample with head "rnn" on CUDA tensors runs the
-reference by default (_markov_backend, the only such routing).
+reference by default (_markov_backend, the only such routing); so does a (logits, weights) dtype
+pair a kernel lacks, as any dtype a kernel lacks does.
+verify_attention follows FlashInfer's plan/run: plan_verify_attention once per forward, then
+every layer's verify_attention(..., plan=plan).
 """
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +24,7 @@ except ImportError:  # the package can be imported (and tested) without the exte
     _C = None
 
 __all__ = ["markov_sample", "rejection_sample", "prefix_topk", "verify_attention", "append_kv",
-           "OpError",
+           "plan_verify_attention", "VerifyAttentionPlan", "OpError",
            "available_backends", "HEADS"]
 
 HEADS = reference.HEADS
@@ -61,14 +65,37 @@ def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
     return backend
 
 
-def _markov_backend(device: torch.device, backend, dtype, head):
-    """markov_sample's backend: _backend's, except that by default the rnn head on CUDA tensors
-    runs the reference. The CUDA kernel has no rnn path (its state update is a 3r x (2r + d)
-    matvec per step and request, left to the reference's GEMMs); the reference is the semantics
-    itself, on the same device, so the output does not change, only its speed (and it reads the
-    device, so CUDA graphs keep rnn drafts eager: graphs.py). An explicit backend="cuda" still
-    reaches the kernel, which refuses the rnn head."""
-    be = _backend("markov_sample", device, backend, dtype, "logits")
+# markov_sample's weight dtype (hidden and head weights) may be narrower than its logits dtype:
+# (logits, weights) pairs each backend takes besides equal dtypes.
+_MARKOV_MIXED = {
+    "reference": {(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                  (torch.float64, torch.bfloat16), (torch.float64, torch.float16)},
+    "cpp": {(torch.float32, torch.bfloat16)},
+    "cuda": {(torch.float32, torch.bfloat16), (torch.float32, torch.float16)},
+}
+
+
+def _markov_backend(device: torch.device, backend, dtype, head, weight_dtype=None):
+    """markov_sample's backend: _backend's for the logits dtype, falling back by default to the
+    reference where the kernel does not take the (logits, weights) dtype pair, and routing by
+    default the rnn head on CUDA tensors to the reference. The CUDA kernel has no rnn path (its
+    state update is a 3r x (2r + d) matvec per step and request, left to the reference's GEMMs);
+    the reference is the semantics itself, on the same device, so the output does not change,
+    only its speed (and it reads the device, so CUDA graphs keep rnn drafts eager: graphs.py).
+    An explicit backend="cuda" still reaches the kernel, which refuses the rnn head."""
+    op = "markov_sample"
+    wdt = dtype if weight_dtype is None else weight_dtype
+    be = _backend(op, device, backend, dtype, "logits")
+    takes = lambda b: wdt == dtype or (dtype, wdt) in _MARKOV_MIXED[b]
+    if not takes("reference"):
+        fail(op, f"hidden and head weights ({wdt}) cannot serve {dtype} logits: the weight "
+                 f"dtype must be the logits dtype or a 16-bit type under float32/float64 logits")
+    chosen = backend is not None or bool(os.environ.get("DSPARK_BACKEND"))
+    if not takes(be):
+        if chosen:
+            fail(op, f"backend {be!r} does not take {wdt} hidden and weights with {dtype} logits "
+                     f"(it takes equal dtypes and {sorted(str(w) for c, w in _MARKOV_MIXED[be] if c == dtype)})")
+        be = "reference"
     if backend is None and head == "rnn" and be == "cuda":
         return "reference"
     return be
@@ -101,6 +128,11 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
                   stream, round_, coupled=None, backend=None):
     """Sequential drafting stage; see reference.markov_sample for the semantics.
 
+    Dtypes: logits (float32, float64, or 16-bit on CUDA) set the compute dtype; hidden and every
+    head weight share the weight dtype, the logits' or a 16-bit type under float32 logits (a
+    bf16 model: bf16 hidden and weights, float32 logits; the CUDA kernel takes its tensor-core
+    path). A weight of another dtype than hidden is an error naming it.
+
     coupled [R] bool or uint8 (None: all false): Gumbel-coupled requests, whose round_ holds the
     number of tokens they emitted so far (DESIGN §2, coupled sampling).
 
@@ -118,8 +150,9 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     R, gamma, V = logits.shape
     dev = logits.device
     fdt = logits.dtype
-    be = _markov_backend(dev, backend, fdt, head)
-    hidden = tensor(op, "hidden", hidden, dtype=fdt, ndim=3, device=dev)
+    hidden = tensor(op, "hidden", hidden, ndim=3, device=dev)
+    wdt = hidden.dtype  # the weight dtype: hidden's, shared by every head weight
+    be = _markov_backend(dev, backend, fdt, head, wdt)
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
     anchor = tensor(op, "anchor", anchor, dtype=torch.int64, shape=(R,), device=dev)
@@ -128,24 +161,24 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     if head != "none" or (conf_w is not None and w1 is not None):
         if w1 is None or w2 is None:
             fail(op, f"head {head!r} needs w1 and w2")
-        w1 = tensor(op, "w1", w1, dtype=fdt, ndim=2, device=dev)
+        w1 = tensor(op, "w1", w1, dtype=wdt, ndim=2, device=dev)
         rank = w1.shape[1]
         w1 = tensor(op, "w1", w1, shape=(V, rank))
-        w2 = tensor(op, "w2", w2, dtype=fdt, shape=(V, rank), device=dev)
+        w2 = tensor(op, "w2", w2, dtype=wdt, shape=(V, rank), device=dev)
     if head == "gated":
-        gate_w = tensor(op, "gate_w", gate_w, dtype=fdt, shape=(rank, d + rank), device=dev)
-        gate_b = tensor(op, "gate_b", gate_b, dtype=fdt, shape=(rank,), device=dev)
+        gate_w = tensor(op, "gate_w", gate_w, dtype=wdt, shape=(rank, d + rank), device=dev)
+        gate_b = tensor(op, "gate_b", gate_b, dtype=wdt, shape=(rank,), device=dev)
     if head == "rnn":
-        joint_w = tensor(op, "joint_w", joint_w, dtype=fdt, shape=(3 * rank, 2 * rank + d),
+        joint_w = tensor(op, "joint_w", joint_w, dtype=wdt, shape=(3 * rank, 2 * rank + d),
                          device=dev)
-        joint_b = tensor(op, "joint_b", joint_b, dtype=fdt, shape=(3 * rank,), device=dev)
+        joint_b = tensor(op, "joint_b", joint_b, dtype=wdt, shape=(3 * rank,), device=dev)
     conf_markov = False
     if conf_w is not None:
-        conf_w = tensor(op, "conf_w", conf_w, dtype=fdt, ndim=1, device=dev)
+        conf_w = tensor(op, "conf_w", conf_w, dtype=wdt, ndim=1, device=dev)
         conf_markov = conf_w.shape[0] != d
         if conf_markov and (rank == 0 or conf_w.shape[0] != d + rank):
             fail(op, f"conf_w must have {d} entries (or {d} + rank with w1), got {conf_w.shape[0]}")
-        conf_b = tensor(op, "conf_b", conf_b, dtype=fdt, shape=(1,), device=dev)
+        conf_b = tensor(op, "conf_b", conf_b, dtype=wdt, shape=(1,), device=dev)
     temperature = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
     seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
@@ -163,7 +196,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     p.R, p.gamma, p.V, p.rank, p.d = R, gamma, V, rank, d
     p.head = HEADS.index(head)
     p.confidence, p.confidence_markov = conf_w is not None, conf_markov
-    p.dtype, p.out_dtype = _DTYPE_CODE[fdt], _DTYPE_CODE[out_dt]
+    p.dtype, p.weight_dtype, p.out_dtype = _DTYPE_CODE[fdt], _DTYPE_CODE[wdt], _DTYPE_CODE[out_dt]
     p.logits, p.hidden, p.anchor = _ptr(logits), _ptr(hidden), _ptr(anchor)
     p.w1, p.w2, p.gate_w, p.gate_b = _ptr(w1), _ptr(w2), _ptr(gate_w), _ptr(gate_b)
     p.joint_w, p.joint_b, p.conf_w, p.conf_b = _ptr(joint_w), _ptr(joint_b), _ptr(conf_w), _ptr(conf_b)
@@ -255,26 +288,27 @@ def prefix_topk(survival, K: int, *, backend=None):
     return lengths
 
 
-def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal=True,
-                     scale=None, backend=None):
-    """Ragged paged attention; see reference.verify_attention. Returns [N, h_q, head_dim].
-    Rows cu_q[R] .. N-1 belong to no request (the padding of a CUDA-graph bucket): no backend
-    reads them, and their output is unspecified (the reference writes zeros, the kernels leave
-    it unwritten)."""
-    op = "verify_attention"
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        fail(op, "q must be a [N, h_q, head_dim] tensor")
-    dev = q.device
-    fdt = q.dtype
-    be = _backend(op, dev, backend, fdt, "q")
-    q = q.contiguous()
-    N, h_q, hd = q.shape
-    k_cache = tensor(op, "k_cache", k_cache, dtype=fdt, ndim=4, device=dev)
-    num_pages, page_size, h_kv, _ = k_cache.shape
-    tensor(op, "k_cache", k_cache, shape=(num_pages, page_size, h_kv, hd))
-    v_cache = tensor(op, "v_cache", v_cache, dtype=fdt, shape=tuple(k_cache.shape), device=dev)
-    if h_kv == 0 or h_q % h_kv:
-        fail(op, f"h_q={h_q} must be a multiple of h_kv={h_kv}")
+@dataclass(frozen=True, eq=False)
+class VerifyAttentionPlan:
+    """verify_attention's plan for one forward (FlashInfer's plan/run), from
+    plan_verify_attention: the batch metadata it was made for, checked once, and on the CUDA
+    tensor-core path the work partition and split-KV partial buffers every layer reuses."""
+    backend: str
+    cu_q: torch.Tensor
+    kv_lens: torch.Tensor
+    block_tables: torch.Tensor
+    h_q: int
+    k_shape: tuple   # k_cache.shape: num_pages, page_size, h_kv, head_dim
+    dtype: torch.dtype
+    causal: bool
+    work: torch.Tensor | None = None      # int32 [4 (R + 1)] item_off | split | slot_off | merge_off
+    part_o: torch.Tensor | None = None    # float32 [slots, 64, head_dim]
+    part_lse: torch.Tensor | None = None  # float32 [slots, 64]
+
+
+def _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, N, dev):
+    """Checks the batch metadata of verify_attention (host tensors also by value: no sync)."""
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     cu_q = tensor(op, "cu_q", cu_q, dtype=torch.int32, ndim=1, device=dev)
     R = cu_q.shape[0] - 1
     block_tables = tensor(op, "block_tables", block_tables, dtype=torch.int32, ndim=2, device=dev)
@@ -284,24 +318,127 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     max_pages = block_tables.shape[1]
     if dev.type == "cpu" and R > 0:
         n = cu_q[1:] - cu_q[:-1]
-        if int(cu_q[0]) != 0 or int(cu_q[-1]) > N or int(n.min()) < 0:
+        if int(cu_q[0]) != 0 or (N is not None and int(cu_q[-1]) > N) or int(n.min()) < 0:
             fail(op, f"cu_q must be non-decreasing from 0 to at most N={N}, got {cu_q.tolist()}")
         if bool((kv_lens < n).any()) or int(kv_lens.max()) > max_pages * page_size:
             fail(op, f"kv_lens must lie in [n_q, max_pages * page_size = {max_pages * page_size}], "
                      f"got {kv_lens.tolist()} for n_q {n.tolist()}")
         used = torch.arange(max_pages)[None, :] * page_size < kv_lens[:, None].long()
         int_range(op, "block_tables (used entries)", block_tables[used], 0, num_pages)
-    scale = float(hd ** -0.5 if scale is None else scale)
-    if be == "reference":
-        return reference.verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens,
-                                          causal, scale)
-    out = torch.empty_like(q)
+    return cu_q, kv_lens, block_tables
+
+
+def _attention_params(R, h_q, k_cache, dtype, causal):
+    num_pages, page_size, h_kv, hd = k_cache.shape
     p = _C.VerifyAttentionParams()
     p.R, p.h_q, p.h_kv, p.head_dim = R, h_q, h_kv, hd
-    p.page_size, p.num_pages, p.max_pages = page_size, num_pages, max_pages
-    p.dtype, p.causal, p.scale = _DTYPE_CODE[fdt], bool(causal), scale
+    p.page_size, p.num_pages = page_size, num_pages
+    p.dtype, p.causal = _DTYPE_CODE[dtype], bool(causal)
+    return p
+
+
+def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=True, backend=None):
+    """Plans verify_attention for a batch once per forward; pass the plan to every layer's
+    verify_attention(..., plan=plan). cu_q [R + 1], kv_lens [R], block_tables [R, max_pages]
+    int32 as for verify_attention; k_cache [num_pages, page_size, h_kv, head_dim] any layer's
+    (it gives the dtype, device and cache geometry every layer shares); h_q query heads.
+    CUDA: allocates the work partition and split partials (torch tensors) and writes the
+    partition on the current stream from the device metadata, with no host sync and no
+    cudaMalloc, so it can be captured in a CUDA graph. CPU: the metadata checks, done once."""
+    op = "plan_verify_attention"
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        fail(op, "k_cache must be a [num_pages, page_size, h_kv, head_dim] tensor")
+    dev, fdt = k_cache.device, k_cache.dtype
+    be = _backend(op, dev, backend, fdt, "k_cache")
+    h_kv = k_cache.shape[2]
+    if not isinstance(h_q, int) or h_kv == 0 or h_q < 1 or h_q % h_kv:
+        fail(op, f"h_q={h_q!r} must be a positive multiple of h_kv={h_kv}")
+    cu_q, kv_lens, block_tables = _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, None, dev)
+    plan = dict(backend=be, cu_q=cu_q, kv_lens=kv_lens, block_tables=block_tables, h_q=h_q,
+                k_shape=tuple(k_cache.shape), dtype=fdt, causal=bool(causal))
+    if be == "cuda":
+        R, hd = cu_q.shape[0] - 1, k_cache.shape[3]
+        p = _attention_params(R, h_q, k_cache, fdt, causal)
+        p.max_pages = block_tables.shape[1]
+        p.cu_q, p.kv_lens = _ptr(cu_q), _ptr(kv_lens)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        slots = _C.verify_attention_plan_slots(p, stream)
+        if slots and R > 0:  # the tensor-core path: partition and partials for every layer
+            work = torch.empty(4 * (R + 1), dtype=torch.int32, device=dev)
+            part_o = torch.empty(slots, 64, hd, dtype=torch.float32, device=dev)
+            part_lse = torch.empty(slots, 64, dtype=torch.float32, device=dev)
+            p.work, p.part_o, p.part_lse, p.plan_slots = _ptr(work), _ptr(part_o), _ptr(part_lse), slots
+            _C.verify_attention_plan(p, stream)
+            plan.update(work=work, part_o=part_o, part_lse=part_lse)
+    return VerifyAttentionPlan(**plan)
+
+
+def _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal):
+    if not isinstance(plan, VerifyAttentionPlan):
+        fail(op, f"plan must come from plan_verify_attention, got {type(plan).__name__}")
+    same = lambda a, b: a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.device == b.device
+    for name, a, b in (("cu_q", plan.cu_q, cu_q), ("kv_lens", plan.kv_lens, kv_lens),
+                       ("block_tables", plan.block_tables, block_tables)):
+        if not same(a, b):
+            fail(op, f"plan was made for another {name} tensor (plan once per forward, from the "
+                     f"metadata every layer passes)")
+    got = (be, h_q, tuple(k_cache.shape), k_cache.dtype, bool(causal))
+    want = (plan.backend, plan.h_q, plan.k_shape, plan.dtype, plan.causal)
+    if got != want:
+        fail(op, f"plan was made for (backend, h_q, k_cache shape, dtype, causal) = {want}, "
+                 f"this call has {got}")
+
+
+def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal=True,
+                     scale=None, plan=None, out=None, backend=None):
+    """Ragged paged attention; see reference.verify_attention. Returns [N, h_q, head_dim].
+    Rows cu_q[R] .. N-1 belong to no request (the padding of a CUDA-graph bucket): no backend
+    reads them, and their output is unspecified (the reference writes zeros, the kernels leave
+    it unwritten). plan: plan_verify_attention's for this batch (None: the call plans itself;
+    same result). out: a contiguous [N, h_q, head_dim] tensor of q's dtype to write (and
+    return) instead of a new one."""
+    op = "verify_attention"
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        fail(op, "q must be a [N, h_q, head_dim] tensor")
+    dev = q.device
+    fdt = q.dtype
+    be = plan.backend if isinstance(plan, VerifyAttentionPlan) and backend is None else backend
+    be = _backend(op, dev, be, fdt, "q")
+    q = q.contiguous()
+    N, h_q, hd = q.shape
+    k_cache = tensor(op, "k_cache", k_cache, dtype=fdt, ndim=4, device=dev)
+    num_pages, page_size, h_kv, _ = k_cache.shape
+    tensor(op, "k_cache", k_cache, shape=(num_pages, page_size, h_kv, hd))
+    v_cache = tensor(op, "v_cache", v_cache, dtype=fdt, shape=tuple(k_cache.shape), device=dev)
+    if h_kv == 0 or h_q % h_kv:
+        fail(op, f"h_q={h_q} must be a multiple of h_kv={h_kv}")
+    if plan is None:
+        cu_q, kv_lens, block_tables = _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, N, dev)
+    else:  # checked when planned
+        _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal)
+        cu_q, kv_lens, block_tables = plan.cu_q, plan.kv_lens, plan.block_tables
+        if dev.type == "cpu" and cu_q.shape[0] > 1 and int(cu_q[-1]) > N:
+            fail(op, f"cu_q must end at most at N={N}, got {int(cu_q[-1])}")
+    if out is not None:
+        if isinstance(out, torch.Tensor) and not out.is_contiguous():
+            fail(op, "out must be contiguous (it is written in place)")
+        out = tensor(op, "out", out, dtype=fdt, shape=(N, h_q, hd), device=dev)
+        if out.numel() and out.data_ptr() == q.data_ptr():
+            fail(op, "out must not be q")
+    R, max_pages = cu_q.shape[0] - 1, block_tables.shape[1]
+    scale = float(hd ** -0.5 if scale is None else scale)
+    if be == "reference":
+        res = reference.verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens,
+                                         causal, scale)
+        return res if out is None else out.copy_(res)
+    out = torch.empty_like(q) if out is None else out
+    p = _attention_params(R, h_q, k_cache, fdt, causal)
+    p.max_pages, p.scale = max_pages, scale
     p.q, p.cu_q, p.k_cache, p.v_cache = _ptr(q), _ptr(cu_q), _ptr(k_cache), _ptr(v_cache)
     p.block_tables, p.kv_lens, p.out = _ptr(block_tables), _ptr(kv_lens), _ptr(out)
+    if plan is not None and plan.work is not None:
+        p.work, p.part_o, p.part_lse = _ptr(plan.work), _ptr(plan.part_o), _ptr(plan.part_lse)
+        p.plan_slots = plan.part_o.shape[0]
     _run("verify_attention", p, be, dev)
     return out
 

@@ -28,11 +28,18 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
                   temperature=None, seed=None, stream=None, round_=None, coupled=None):
     """Sequential drafting stage for R requests (DESIGN §2 steps 2-3).
 
-    logits [R, gamma, V] base logits U (float32/float64; overwritten with z = U + bias);
-    hidden [R, gamma, d]; anchor [R] int64 x0; head in HEADS; w1, w2 [V, r]; gate_w [r, d + r],
-    gate_b [r]; joint_w [3r, 2r + d], joint_b [3r]; conf_w [d] or [d + r], conf_b [1] (None: no
-    confidence head); temperature [R] float32 (0 = greedy); seed [R] int64 (uint64 bits);
-    stream, round_ [R] int64; coupled [R] bool or uint8 (None: all false).
+    logits [R, gamma, V] base logits U (overwritten with z = U + bias); hidden [R, gamma, d];
+    anchor [R] int64 x0; head in HEADS; w1, w2 [V, r]; gate_w [r, d + r], gate_b [r];
+    joint_w [3r, 2r + d], joint_b [3r]; conf_w [d] or [d + r], conf_b [1] (None: no confidence
+    head); temperature [R] float32 (0 = greedy); seed [R] int64 (uint64 bits); stream, round_ [R]
+    int64; coupled [R] bool or uint8 (None: all false).
+    Dtypes: the logits dtype C (float32, float64, or a 16-bit type) is the compute dtype; hidden
+    and every head weight share one weight dtype W, either C or a 16-bit type narrower than C
+    (a bf16 model serves bf16 weights with float32 logits). Weights and hidden enter the head
+    upcast to C (exact); every op below runs in C, as torch rounds it. One rounding to W: the
+    vector u the projection reads (e, g * e or tanh(out)) is rounded to W first, because the
+    kernels feed it to tensor cores in W (a no-op when W = C, and for vanilla, whose u = e is
+    already in W); the projection w2 @ u then accumulates and rounds in C.
     For k = 1..gamma, with x_{k-1} the previous token (x0 for k = 1):
         e = w1[x_{k-1}]
         vanilla: bias = w2 @ e
@@ -59,8 +66,13 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
     T = temperature.to(torch.float64)
     greedy = T == 0
     Tsafe = torch.where(greedy, torch.ones_like(T), T)
+    C, W = logits.dtype, hidden.dtype
+    up = lambda t: None if t is None else t.to(C)
+    hidden, w1, w2, gate_w, gate_b = up(hidden), up(w1), up(w2), up(gate_w), up(gate_b)
+    joint_w, joint_b, conf_w, conf_b = up(joint_w), up(joint_b), up(conf_w), up(conf_b)
+    project = lambda u: u.to(W).to(C) @ w2.T  # u rounded to W: the kernels' tensor-core operand
     rank = w1.shape[1] if w1 is not None else 0
-    state = torch.zeros(R, rank, dtype=logits.dtype, device=dev)
+    state = torch.zeros(R, rank, dtype=C, device=dev)
     prev = anchor.to(torch.int64)
     vocab = torch.arange(V, device=dev)
     coupled = _coupled(coupled, R, dev)
@@ -70,16 +82,16 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
         if head == "none":
             bias = None
         elif head == "vanilla":
-            bias = e @ w2.T
+            bias = project(e)
         elif head == "gated":
             g = torch.sigmoid(torch.cat([h, e], -1) @ gate_w.T + gate_b)
-            bias = (g * e) @ w2.T
+            bias = project(g * e)
         elif head == "rnn":
             a = torch.cat([state, e, h], -1) @ joint_w.T + joint_b
             ga, ca, oa = a.split(rank, dim=-1)
             sg = torch.sigmoid(ga)
             state = sg * state + (1 - sg) * torch.tanh(ca)
-            bias = torch.tanh(oa) @ w2.T
+            bias = project(torch.tanh(oa))
         else:
             raise ValueError(f"markov_sample: unknown head {head!r}")
         if bias is not None:

@@ -5,13 +5,15 @@ import torch
 from .. import ops
 
 
-def draft_forward(target, drafter, head, head_weights, logits_dtype, anchor, positions, meta,
-                  cache, rng, live=None, out=None):
+def draft_forward(target, drafter, head, head_weights, logits_dtype, head_dtype, anchor,
+                  positions, meta, cache, rng, live=None, out=None):
     """The block [anchor, mask, .., mask] of each of R requests through the drafter, the hidden
     states of the gamma draft slots through the target's LM head (U [R, gamma, V]), then
     ops.markov_sample (sequential head, confidence head). live [R] bool: False rows (graph
     padding) get zero hidden, so their logits are finite and their tokens in range whatever the
     unowned rows held. out: (tokens, z, lse, conf) buffers to write instead of fresh tensors.
+    U is in logits_dtype (float32; float64 models: float64), the hidden states in head_dtype,
+    the dtype of the head's weights (a bf16 model: bf16, the kernels' tensor-core path).
     Returns (tokens [R, gamma] int64, z [R, gamma, V], lse [R, gamma], conf_logit [R, gamma])."""
     B, gamma, R = drafter.block_size, drafter.gamma, anchor.shape[0]
     ids = torch.full((R, B), drafter.mask_token_id, dtype=torch.int64, device=anchor.device)
@@ -24,7 +26,7 @@ def draft_forward(target, drafter, head, head_weights, logits_dtype, anchor, pos
     if out is not None:
         out[1].copy_(U)
         U = out[1]
-    tokens, _, lse, conf = ops.markov_sample(U, h.to(logits_dtype), anchor, head, **head_weights,
+    tokens, _, lse, conf = ops.markov_sample(U, h.to(head_dtype), anchor, head, **head_weights,
                                              **rng)
     if out is None:
         return tokens, U, lse, conf

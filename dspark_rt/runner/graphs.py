@@ -121,7 +121,8 @@ class GraphRunner:
 
     target, drafter: the models (drafter None for plain decoding: verify only). capture_layers:
     the target layers whose outputs form the drafter features (None: no features). logits_dtype:
-    float32 (float64 for float64 models). head, head_weights: what ops.markov_sample takes.
+    float32 (float64 for float64 models). head, head_weights, head_dtype: what ops.markov_sample
+    takes (head_dtype: of the weights and the hidden states; default logits_dtype).
     max_pages: block-table columns the buffers hold. verify_buckets: total verify tokens;
     draft_buckets: batch sizes (both default to default_buckets of max_verify_tokens /
     max_batch). capture=False: run the padded path eagerly (tests, any device).
@@ -129,7 +130,7 @@ class GraphRunner:
     """
 
     def __init__(self, target, drafter, *, capture_layers, logits_dtype, head="none",
-                 head_weights=None, max_pages: int, max_batch: int = 64,
+                 head_weights=None, head_dtype=None, max_pages: int, max_batch: int = 64,
                  max_verify_tokens: int = 512, verify_buckets=None, draft_buckets=None,
                  capture: bool = True, warmup: int = 2):
         if capture:
@@ -139,6 +140,7 @@ class GraphRunner:
         self.target, self.drafter = target, drafter
         self.capture_layers = list(capture_layers) if capture_layers else None
         self.logits_dtype, self.head = logits_dtype, head
+        self.head_dtype = head_dtype or logits_dtype
         self.head_weights = dict(head_weights or {})
         if capture and warmup < 1:
             raise ValueError("GraphRunner: warmup must be >= 1 (one-time set-up such as cuBLAS "
@@ -167,7 +169,7 @@ class GraphRunner:
         # the widest block table: a chain or a drafter block reaching past the context's end
         reach = max(runner.gamma + 1, runner.block_size)
         args = dict(capture_layers=runner.capture, logits_dtype=runner.logits_dtype,
-                    head=runner.head, head_weights=runner.head_weights,
+                    head=runner.head, head_weights=runner.head_weights, head_dtype=runner.head_dtype,
                     max_pages=pages_for(runner.max_len + reach, runner.page_size),
                     max_batch=128,
                     max_verify_tokens=min(1024, kw.get("max_batch", 128) * (runner.gamma + 1)))
@@ -315,7 +317,8 @@ class GraphRunner:
                 """Writes tokens_out, z_out, lse_out, conf_out [:r_b]; padding requests are
                 those with kv_len 0 (a real block has kv_len >= block_size)."""
                 return draft_forward(self.target, self.drafter, self.head, self.head_weights,
-                                     self.logits_dtype, anchor, pos, meta, cache, rng,
+                                     self.logits_dtype, self.head_dtype, anchor, pos, meta,
+                                     cache, rng,
                                      live=meta.kv_lens > 0, out=out)
 
             self._draft[r_b] = _Bucket(fn)
@@ -343,7 +346,8 @@ class GraphRunner:
         if r_b is None or w > self.dbuf.max_pages or meta.causal or not self.draft_capturable:
             self.stats["draft_eager"] += 1
             return draft_forward(self.target, self.drafter, self.head, self.head_weights,
-                                 self.logits_dtype, anchor, positions, meta, cache, rng)
+                                 self.logits_dtype, self.head_dtype, anchor, positions, meta,
+                                 cache, rng)
         self._bind(dcache=cache)
         self._load_draft(r_b, anchor, positions, meta, rng)
         tokens, z, lse, conf = self._run(self._draft_bucket(r_b))

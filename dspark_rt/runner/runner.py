@@ -68,6 +68,10 @@ class Runner:
         self.capture = list(drafter.target_layer_ids) if mode != "ar" else None
         self.logits_dtype = torch.float64 if target.dtype == torch.float64 else torch.float32
         self.head = drafter.head if mode == "dspark" else "none"
+        # the dtype of the head's weights and of the hidden states it reads (DESIGN §2 step 2)
+        self.head_dtype = self.logits_dtype
+        if mode != "ar" and (drafter.dtype != torch.float16 or self.device.type == "cuda"):
+            self.head_dtype = drafter.dtype
         self.has_confidence = mode == "dspark" and drafter.conf_w is not None
         self.head_weights = self._head_weights()
         self.tcache = self.dcache = None
@@ -83,13 +87,16 @@ class Runner:
                 self.graphs = GraphRunner.from_runner(self)
 
     def _head_weights(self) -> dict:
-        """The sequential and confidence head tensors ops.markov_sample takes, in the logits
-        dtype (the CPU kernels take one float type)."""
+        """The sequential and confidence head tensors ops.markov_sample takes, as the drafter
+        holds them: a bf16 model serves bf16 weights (the kernels' 16-bit path; logits stay
+        float32). fp16 on the CPU is widened to the logits dtype (the C++ kernel has no fp16
+        weights)."""
         if self.mode != "dspark":
             return {}
-        d, dt = self.drafter, self.logits_dtype
+        d = self.drafter
         names = ("w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b", "conf_w", "conf_b")
-        return {n: None if getattr(d, n) is None else getattr(d, n).to(dt).contiguous() for n in names}
+        return {n: None if getattr(d, n) is None else getattr(d, n).to(self.head_dtype).contiguous()
+                for n in names}
 
     def allocate_caches(self, num_pages: int):
         """Target and drafter caches of num_pages pages each (the engine's block managers hand
@@ -216,7 +223,8 @@ class Runner:
         else:
             tokens, z, lse, conf = draft_forward(self.target, self.drafter, self.head,
                                                  self.head_weights, self.logits_dtype,
-                                                 anchor, pos, meta, self.dcache, rng)
+                                                 self.head_dtype, anchor, pos, meta, self.dcache,
+                                                 rng)
         return Draft(tokens, z, lse, conf if self.has_confidence else None, anchor)
 
     def verify(self, ids, pos, meta: AttnMeta):
