@@ -17,6 +17,7 @@ from .models.drafter import Drafter
 from .models.qwen3 import Qwen3Model
 from .outputs import RequestOutput
 from .policies import Calibration, make_policy
+from .policies.sts import CALIBRATION_FILE
 from .runner.runner import MODES, Runner
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -49,7 +50,9 @@ class Decoder:
     policy: "fixed" | "threshold" | "sync" | "async" | a VerifyPolicy (used in "dspark" mode);
     "sync" and "async" read sps= (a measured throughput profile or its JSON path); without it
     the runner is profiled once and cached by device identity. calibration: STS temperatures
-    (a Calibration, a list, or the path of a JSON written by dspark_rt.policies.sts or SGLang).
+    (a Calibration, a list, or the path of a JSON written by dspark_rt.policies.sts or SGLang);
+    from_pretrained uses the drafter folder's dspark_calibration.json when none is given.
+    calibration_source says which temperatures are in force (a path, "given" or None).
     """
 
     def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
@@ -65,6 +68,8 @@ class Decoder:
         self.runner = Runner(target, drafter, mode, page_size, self.device)
         self.policy = self._policy(policy, threshold, sps) if mode == "dspark" else make_policy("fixed")
         self.calibration = _calibration(calibration)
+        self.calibration_source = (str(calibration) if isinstance(calibration, (str, Path)) else
+                                   None if calibration is None else "given")
         self.seed = seed
         self._ids = itertools.count()  # request ids and random streams, across this Decoder's Engines
         self._lock = threading.Lock()  # sizing the Engine and queueing a batch happen together
@@ -83,8 +88,15 @@ class Decoder:
     @classmethod
     def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):
         """target: a Hugging Face Qwen3 / Llama folder; drafter: a DeepSpec DSpark/DFlash or
-        z-lab DFlash folder (or None for plain decoding)."""
+        z-lab DFlash folder (or None for plain decoding). Without calibration=, the STS
+        temperatures `dspark-rt calibrate` wrote beside the drafter are used when present
+        (calibration="none": uncalibrated confidences)."""
         device = torch.device(device)
+        cal = kwargs.get("calibration")
+        if cal is None and drafter is not None and (Path(drafter) / CALIBRATION_FILE).is_file():
+            kwargs["calibration"] = Path(drafter) / CALIBRATION_FILE
+        elif isinstance(cal, str) and cal == "none":
+            kwargs["calibration"] = None
         dt = _dtype(dtype, device)
         tgt = Qwen3Model.from_pretrained(target, dtype=dt, device=device)
         drf = Drafter.from_pretrained(drafter, tgt, dtype=dt, device=device) if drafter else None

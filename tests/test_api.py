@@ -217,3 +217,21 @@ def test_incremental_text_equals_full_decode():
             inc.push(t)
             assert tok.decode((ids + tail)[:n]).startswith(inc.text)
         assert inc.text == tok.decode(ids + tail)
+
+
+def test_calibration_beside_the_drafter_is_in_force(tiny_target, tiny_drafters, tmp_path):
+    """A dspark_calibration.json in the drafter folder is used unless another calibration is
+    given (or "none"), and the Decoder says which temperatures are in force."""
+    import shutil
+    from dspark_rt.policies.sts import CALIBRATION_FILE, STSResult
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_drafters("gated", 4), drafter)
+    assert Decoder.from_pretrained(tiny_target, drafter).calibration_source is None
+    STSResult([0.5, 2.0, 3.0, 4.0], [], {}).save(drafter / CALIBRATION_FILE)
+    dec = Decoder.from_pretrained(tiny_target, drafter)
+    assert dec.calibration_source == str(drafter / CALIBRATION_FILE)
+    assert dec.engine.calibration.temperatures == [0.5, 2.0, 3.0, 4.0]
+    off = Decoder.from_pretrained(tiny_target, drafter, calibration="none")
+    assert off.calibration_source is None and off.engine.calibration.temperatures == [1.0] * 4
+    given = Decoder.from_pretrained(tiny_target, drafter, calibration=[2.0] * 4)
+    assert given.calibration_source == "given" and given.engine.calibration.temperatures == [2.0] * 4

@@ -291,3 +291,23 @@ def test_device_metadata_equals_host_metadata(pair):
         assert ids[:n].tolist() == [t for i, L in enumerate(lengths) for t in chains[i, : L + 1].tolist()]
         assert meta.slot_mapping[n:].tolist() == [-1] * pad and owner[n:].tolist() == [-1] * pad
         assert owner[:n].tolist() == [i for i, L in enumerate(lengths) for _ in range(L + 1)]
+
+
+def test_a_bf16_model_serves_bf16_head_weights(pair, monkeypatch):
+    """The Markov op gets the drafter's own bf16 weights and hidden states with fp32 logits (its
+    16-bit kernel path: the benchmarked path is the served one); the output is still plain
+    decoding's."""
+    from dspark_rt import ops
+    seen, real = [], ops.markov_sample
+
+    def spy(logits, hidden, anchor, head, **kw):
+        seen.append((logits.dtype, hidden.dtype, kw["w2"].dtype))
+        return real(logits, hidden, anchor, head, **kw)
+
+    monkeypatch.setattr(ops, "markov_sample", spy)
+    p = SamplingParams(max_tokens=10, **GREEDY)
+    dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", dtype="bfloat16")
+    out = dec.generate([[1, 2, 3], [4, 5]], p, use_tqdm=False)
+    ar = Decoder.from_pretrained(pair[0], mode="ar", dtype="bfloat16").generate([[1, 2, 3], [4, 5]], p, use_tqdm=False)
+    assert seen and set(seen) == {(torch.float32, torch.bfloat16, torch.bfloat16)}
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]

@@ -99,7 +99,7 @@ def _decode(head, policy, dtype, batch):
         pytest.skip(f"{DRAFTERS[head]} not shipped")
     mode = "dflash" if head == "none" else "dspark"
     dec = Decoder.from_pretrained(TARGET, DRAFTERS[head], mode=mode, policy=_policy(policy),
-                                  dtype=dtype)
+                                  dtype=dtype, calibration="none")  # the floors' confidences
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = PROMPTS[:batch]
     first = dec.generate(prompts, params, use_tqdm=False)

@@ -17,6 +17,8 @@ import numpy as np
 from .base import Calibration
 
 FORMAT = "dspark_rt.sts"
+# `dspark-rt calibrate` writes here by default; Decoder.from_pretrained uses a file found here
+CALIBRATION_FILE = "dspark_calibration.json"
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 121)  # ~5 % apart
 # SGLang's DSpark STS calibration JSON (see read_sglang_sts): field -> JSON type
 SGLANG_STS_FIELDS = {"temperatures": list, "dataset": str, "num_samples": int,

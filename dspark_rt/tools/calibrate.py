@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 from ..decoder import Decoder
 from .prompts import fit_length, load_prompts, read_turns
 from ..sampling_params import SamplingParams
-from ..policies.sts import STSResult, fit_sts, reliability_diagram
+from ..policies.sts import CALIBRATION_FILE, STSResult, fit_sts, reliability_diagram
 
-DEFAULT_NAME = "dspark_calibration.json"
+DEFAULT_NAME = CALIBRATION_FILE
 
 
 def decode_logged(decoder, prompts, params, *, batch_size: int = 8, progress: bool = True,

@@ -18,10 +18,9 @@ from .calibrate import round_arrays
 from ..decoder import Decoder
 from ..outputs import SpecMetrics
 from ..sampling_params import SamplingParams
-from ..policies.sts import _nan_to_none
+from ..policies.sts import CALIBRATION_FILE, _nan_to_none
 
 PRETRAINED = Path(__file__).resolve().parents[1] / "pretrained"
-CALIBRATION = "dspark_calibration.json"
 MODES = ("ar", "dflash", "dspark")
 
 # Short completions in the style of library code; written for the demo (not from any eval set).
@@ -46,7 +45,7 @@ def _shipped():
     files = [p / name for p in (t, s, f) for name in ("config.json", "model.safetensors")]
     if not all(p.is_file() for p in files):
         return None
-    cal = s / CALIBRATION
+    cal = s / CALIBRATION_FILE
     return t, s, f, (cal if cal.is_file() else None)
 
 

@@ -78,7 +78,8 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     if policy != "fixed" or calibration is not None:  # reuse the loaded weights
         kw = {"threshold": threshold} if policy == "threshold" else {}
         dec = Decoder(dec.target, dec.drafter, dec.tokenizer, mode=dec.mode, policy=policy,
-                      sps=sps, calibration=calibration, device=dec.device, **kw)
+                      sps=sps, calibration=calibration or dec.calibration_source,
+                      device=dec.device, **kw)
     prompts = prompts_for(dec, prompts_file, max_tokens=max_tokens, limit=limit, chat=chat)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     outs, log, seconds = decode_logged(dec, prompts, params, batch_size=batch_size,
@@ -88,7 +89,7 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     tokens = sum(len(o.token_ids) for o in outs)
     summary = {"target": str(target), "drafter": str(drafter), "prompts": str(prompts_file),
                "mode": dec.mode, "policy": policy if dec.mode == "dspark" else "fixed",
-               "calibration": None if calibration is None else str(calibration),
+               "calibration": dec.calibration_source,  # the temperatures below came from here
                "temperatures": list(dec.engine.calibration.temperatures[:gamma]),
                "dtype": str(dec.target.dtype).removeprefix("torch."), "device": str(dec.device),
                "n_prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
