@@ -47,9 +47,10 @@ class Decoder:
 
     mode: "ar" (target alone), "dflash" (backbone drafts, all verified) or "dspark" (sequential
     head + confidence-scheduled verification; the default when the drafter has a head).
-    policy: "fixed" | "threshold" | "sync" | "async" | a VerifyPolicy (used in "dspark" mode);
-    "sync" and "async" read sps= (a measured throughput profile or its JSON path); without it
-    the runner is profiled once and cached by device identity. calibration: STS temperatures
+    policy: "fixed" | "threshold" | "sync" | "async" | "auto" | a VerifyPolicy (used in "dspark"
+    mode); "sync" and "async" read sps= (a measured throughput profile or its JSON path); without
+    it the runner is profiled once and cached by device identity; "auto" (also decides per round
+    whether to draft at all) reads sps=(speculative profile, plain-round profile) likewise. calibration: STS temperatures
     (a Calibration, a list, or the path of a JSON written by dspark_rt.policies.sts or SGLang);
     from_pretrained uses the drafter folder's dspark_calibration.json when none is given.
     calibration_source says which temperatures are in force (a path, "given" or None).
@@ -76,14 +77,21 @@ class Decoder:
         self.engine = self.new_engine(EngineConfig(num_pages=1, max_num_seqs=1))  # sized by _sized
 
     def _policy(self, policy, threshold, sps):
-        if policy in ("sync", "async") and sps is None:
-            if not self.runner.has_confidence:
-                raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
-            from .runner.profiling import load_or_profile  # measures real rounds of this runner
-            sps = load_or_profile(self.runner)
-        kwargs = {"threshold": threshold} if policy == "threshold" else \
-            {"sps": sps} if policy in ("sync", "async") else {}
-        return make_policy(policy, **kwargs)
+        """sync / async: sps= or this machine's profile of speculative rounds; auto also needs
+        the profile of plain rounds (sps=(speculative, plain), either None to measure it)."""
+        if policy not in ("sync", "async", "auto"):
+            return make_policy(policy, **({"threshold": threshold} if policy == "threshold" else {}))
+        if not self.runner.has_confidence:
+            raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
+        spec, plain = (tuple(sps) if isinstance(sps, (tuple, list)) else (sps, None))
+        from .runner.profiling import load_or_profile  # measures real rounds of this machine
+        if spec is None:
+            spec = load_or_profile(self.runner)
+        if policy != "auto":
+            return make_policy(policy, sps=spec)
+        if plain is None:
+            plain = load_or_profile(Runner(self.target, None, "ar", self.runner.page_size, self.device))
+        return make_policy(policy, sps=spec, plain=plain)
 
     @classmethod
     def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):

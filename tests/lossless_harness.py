@@ -22,7 +22,7 @@ from scipy.stats import chi2 as chi2_dist, ncx2
 from dspark_rt import Decoder, SamplingParams, ops, testing
 from dspark_rt.runner.logits_process import filter_rows
 from dspark_rt.ops import philox, reference
-from dspark_rt.policies import AsyncScheduler, SyncScheduler, ThresholdPolicy
+from dspark_rt.policies import AsyncScheduler, AutoPolicy, SyncScheduler, ThresholdPolicy
 from dspark_rt.policies.sps import SPSProfile
 from dspark_rt.runner import Runner
 
@@ -93,7 +93,7 @@ def exact_joint(target_path, T: float, top_k: int = 0, top_p: float = 1.0) -> np
 @dataclass(frozen=True)
 class Case:
     mode: str           # "dflash" | "dspark"
-    policy: str         # "fixed" | "threshold" | "sync" | "async"
+    policy: str         # "fixed" | "threshold" | "sync" | "async" | "auto"
     head: str
     T: float
     top_k: int = 0
@@ -119,6 +119,8 @@ THRESHOLD = 0.5
 def make_policy(case: Case, mutant=None):
     if mutant is not None and mutant.policy is not None:
         return mutant.policy()
+    if case.policy == "auto":  # plain rounds win on this profile: it alternates plain and drafting
+        return AutoPolicy(SPS, SPS.scaled(3.0), explore_every=2)
     return {"fixed": "fixed", "threshold": ThresholdPolicy(THRESHOLD), "sync": SyncScheduler(SPS),
             "async": AsyncScheduler(SPS)}[case.policy]
 

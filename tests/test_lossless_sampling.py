@@ -46,6 +46,7 @@ CASES = [
     H.Case("dspark", "sync", "rnn", 1.0),
     H.Case("dspark", "async", "gated", 0.6),
     H.Case("dspark", "async", "vanilla", 1.5, top_p=0.8),
+    H.Case("dspark", "auto", "gated", 1.0, top_k=3),
 ]
 
 

@@ -1,17 +1,20 @@
 """Verify-length policies (DESIGN §4): fixed, threshold, and the hardware-aware prefix
-schedulers sync and async, which read the machine's throughput profile SPS(B) (sps.py);
+schedulers sync and async, which read the machine's throughput profile SPS(B) (sps.py), and
+auto, which also decides per round whether drafting pays at all (auto.py);
 STS calibration of the confidences (sts.py)."""
+from .auto import AutoPolicy
 from .base import Calibration, VerifyPolicy
 from .prefix import AsyncScheduler, SyncScheduler
 from .rules import FixedPolicy, ThresholdPolicy
 
 POLICIES = {"fixed": FixedPolicy, "threshold": ThresholdPolicy, "sync": SyncScheduler,
-            "async": AsyncScheduler}
+            "async": AsyncScheduler, "auto": AutoPolicy}
 
 
 def make_policy(policy, **kwargs) -> VerifyPolicy:
     """policy: a name in POLICIES ("threshold" takes threshold=, "sync" and "async" take
-    sps=<SPSProfile or path>) or a VerifyPolicy instance."""
+    sps=<SPSProfile or path>, "auto" sps= and plain=, the profile of plain rounds) or a
+    VerifyPolicy instance."""
     if isinstance(policy, VerifyPolicy):
         return policy
     if policy not in POLICIES:
@@ -20,4 +23,4 @@ def make_policy(policy, **kwargs) -> VerifyPolicy:
 
 
 __all__ = ["Calibration", "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "SyncScheduler",
-           "AsyncScheduler", "POLICIES", "make_policy"]
+           "AsyncScheduler", "AutoPolicy", "POLICIES", "make_policy"]

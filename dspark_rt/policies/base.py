@@ -32,7 +32,8 @@ class Calibration:
 
 
 class VerifyPolicy:
-    """The protocol. Host policies implement lengths(); the round reads the confidences to the
+    """The protocol. speculates() may skip a round's drafting (AutoPolicy). Host policies
+    implement lengths(); the round reads the confidences to the
     host for them when needs_confidence is set. A policy with admits_on_device = True (async)
     decides on the device instead, in three calls per round:
 
@@ -45,6 +46,11 @@ class VerifyPolicy:
     name = "base"
     needs_confidence = False
     admits_on_device = False
+
+    def speculates(self, caps: list[int], gamma: int) -> bool:
+        """Whether this round drafts at all (False: a plain round, the target alone), decided
+        before drafting and so from earlier rounds only. caps: drafts each request may verify."""
+        return True
 
     def lengths(self, c_hat: torch.Tensor | None, survival: torch.Tensor | None,
                 cap: torch.Tensor, gamma: int) -> torch.Tensor:

@@ -54,8 +54,10 @@ class Round:
                  calibration: Calibration) -> RoundResult:
         rng = runner.rng(batch)  # Philox keys, one upload: the head and the acceptance read them
         # 1-3. block [x0, m, .., m] -> h_k, U_k = lm_head(h_k); x_k ~ q_k = softmax((U_k +
-        #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k (no drafter: none)
-        draft = self.draft(runner, batch, rng) if runner.gamma else None
+        #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k. None: a plain
+        #      round (no drafter, or the policy finds from earlier rounds that drafting won't pay)
+        speculate = runner.gamma and policy.speculates(self.caps(batch, runner.gamma), runner.gamma)
+        draft = self.draft(runner, batch, rng) if speculate else None
         # 4. l_r from the calibrated survivals a_k = prod c_hat_i (never from the tokens: that
         #    keeps it lossless), then the flat chains [x0, x_1 .. x_l] of every request
         plan = self.schedule(runner, batch, draft, policy, calibration)
@@ -91,7 +93,7 @@ class Round:
         if draft is None:  # plain decoding: the chain is the anchor
             meta, pos, cu = runner.meta(batch.target_pages, batch.kv_lens, [1] * R, True)
             return Verify(runner.upload(batch.anchors, torch.int64), pos, meta, [0] * R, cu)
-        caps = [min(c, gamma) if p.speculative else 0 for c, p in zip(batch.caps, batch.params)]
+        caps = self.caps(batch, gamma)
         chains = torch.cat([draft.anchor[:, None], draft.tokens], 1)  # [R, gamma + 1]
         conf = self.confidences(draft)
         if policy.admits_on_device and conf is not None and not any(batch.filtered):
@@ -111,6 +113,11 @@ class Round:
         ids = chains.view(-1)[runner.upload(pick, torch.int64)]
         meta, pos, cu = runner.meta(batch.target_pages, batch.kv_lens, [n + 1 for n in lengths], True)
         return Verify(ids, pos, meta, lengths, cu)
+
+    @staticmethod
+    def caps(batch: SeqBatch, gamma: int) -> list[int]:
+        """Drafts each request may verify this round (none when it opted out of speculation)."""
+        return [min(c, gamma) if p.speculative else 0 for c, p in zip(batch.caps, batch.params)]
 
     def confidences(self, draft: Draft) -> torch.Tensor | None:
         """The raw confidence logits [R, gamma] the policy sees."""

@@ -1,0 +1,71 @@
+"""policy="auto": per round, a plain round or a speculative one, whichever the machine's profiles
+say pays (dspark_rt/policies/auto.py). Greedy output stays plain decoding's while it switches;
+the sampled law is checked in tests/test_lossless_sampling.py (case dspark-auto)."""
+import pytest
+import torch
+
+from dspark_rt import Decoder, SamplingParams
+from dspark_rt.policies import AutoPolicy
+from dspark_rt.policies.sps import SPSProfile
+from tests.test_lossless import DRAFTERS, PROMPTS, TARGET
+
+SPEC = SPSProfile([2 ** i for i in range(12)], [2 ** (-i / 2) for i in range(12)])
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    ar = Decoder.from_pretrained(TARGET, mode="ar", dtype="float64")
+    return [o.token_ids for o in ar.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _run(policy):
+    dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=policy, dtype="float64",
+                                  calibration="none")
+    return dec.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("plain_speed,expect", [(0.3, "speculative"), (3.0, "plain")])
+def test_it_picks_the_faster_round(plain_tokens, plain_speed, expect):
+    """Plain rounds 3x slower than a speculative round of the same size: it always drafts;
+    3x faster: it decodes plainly, drafting only to keep its estimates fresh."""
+    pol = AutoPolicy(SPEC, SPEC.scaled(plain_speed), explore_every=16)
+    outs = _run(pol)
+    assert [o.token_ids for o in outs] == plain_tokens
+    other = "plain" if expect == "speculative" else "speculative"
+    assert pol.rounds[expect] > 4 * pol.rounds[other], pol.rounds
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    assert (drafted > 0) == (expect == "speculative" or pol.rounds["speculative"] > 0)
+
+
+def _context(dec, out):
+    """The drafter context K of the full pages of a finished request's committed tokens (the
+    prefix cache keeps them): a function of the token prefix alone."""
+    blocks = dec.engine.drafter_blocks
+    tokens = out.prompt_token_ids + out.token_ids[:-1]
+    pages = blocks.lookup_prefix(tokens)
+    assert len(pages) >= 2
+    return dec.runner.dcache.k_all[:, pages]
+
+
+def test_switching_every_round_keeps_greedy_output_and_drafter_context(plain_tokens):
+    """Plain rounds still write the drafter context of the position they commit, so the
+    context after a run that switches every round equals the one after drafting every round
+    (on this pair a missing context row costs acceptance too little to see in tau)."""
+    pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=2)
+    dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=pol, dtype="float64",
+                                  calibration="none")
+    outs = dec.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_tokens[:1]
+    assert pol.rounds["plain"] >= 3 and pol.rounds["speculative"] >= 3, pol.rounds
+    ref = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], dtype="float64")
+    ref_outs = ref.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    # float64: forwards of other chain lengths round the features differently, by ~1e-15
+    torch.testing.assert_close(_context(dec, outs[0]), _context(ref, ref_outs[0]), rtol=1e-9, atol=1e-9)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="decay"):
+        AutoPolicy(SPEC, SPEC, decay=1.0)
+    with pytest.raises(ValueError, match="explore_every"):
+        AutoPolicy(SPEC, SPEC, explore_every=-1)
