@@ -33,7 +33,8 @@ PAIR = Path(__file__).resolve().parents[1] / "dspark_rt" / "pretrained"
 PROMPTS = ["def merge_sort(xs):\n", "import json\n\ndef load(path):\n", "class Queue:\n    def __init__(self):\n",
            "for i in range(10):\n", "def parse_args(argv):\n", "with open(path) as f:\n",
            "try:\n    import numpy\n", "def fib(n):\n    if n < 2:\n"]
-MODES = [("ar", "fixed"), ("dflash", "fixed"), ("dspark", "fixed"), ("dspark", "sync"), ("dspark", "async")]
+MODES = [("ar", "fixed"), ("dflash", "fixed"), ("dspark", "fixed"), ("dspark", "sync"), ("dspark", "async"),
+         ("dspark", "auto")]
 PHASES = ("draft", "schedule", "verify_forward", "accept", "context_update", "other")
 
 
@@ -60,13 +61,13 @@ class Models:
         if not self.random:
             drafter = None if mode == "ar" else PAIR / ("dflash" if mode == "dflash" else "dspark")
             cal = (PAIR / "dspark" / "dspark_calibration.json") if mode == "dspark" else None
-            kw = {"sps": self._profile()} if policy in ("sync", "async") else {}
+            kw = {"sps": self._profile(policy)} if policy in ("sync", "async", "auto") else {}
             return Decoder.from_pretrained(PAIR / "target", drafter, mode=mode, policy=policy,
                                            device=self.device, calibration=cal, **kw)
         target, drafter = self._pair
         kw = {}
-        if policy in ("sync", "async"):
-            kw["sps"] = self._profile()
+        if policy in ("sync", "async", "auto"):
+            kw["sps"] = self._profile(policy)
         dec = Decoder(target, None if mode == "ar" else drafter, None, mode=mode, policy=policy,
                       device=self.device, **kw)
         if mode != "ar":
@@ -79,22 +80,23 @@ class Models:
         p = self.args.accept_prob
         return p * gamma if len(p) == 1 else p
 
-    def _profile(self):
-        """One SPS(B) for both sync and async (a round's cost does not depend on acceptance),
-        covering the largest batch of the run: measured, or the cached one for this machine."""
+    def _profile(self, policy):
+        """One SPS(B) for sync, async and auto (a round's cost does not depend on acceptance),
+        covering the largest batch of the run, measured or the cached one for this machine;
+        auto also gets the profile of plain rounds."""
         if self._sps is None:
+            from dspark_rt.runner import Runner
             from dspark_rt.runner.profiling import load_or_profile
             if self.random:
                 target, drafter = self._pair
-                probe = Decoder(target, drafter, None, mode="dspark", device=self.device)
             else:
                 probe = Decoder.from_pretrained(PAIR / "target", PAIR / "dspark", device=self.device)
-            self._sps = load_or_profile(probe.runner, seconds=self.args.profile_seconds,
-                                        max_batch=max(self.args.batch),
-                                        context_len=self.args.prompt_len if self.random else None,
-                                        progress=False)
-            del probe
-        return self._sps
+                target, drafter = probe.target, probe.drafter
+            kw = dict(seconds=self.args.profile_seconds, max_batch=max(self.args.batch),
+                      context_len=self.args.prompt_len if self.random else None, progress=False)
+            self._sps = (load_or_profile(Runner(target, drafter, "dspark", 16, self.device), **kw),
+                         load_or_profile(Runner(target, None, "ar", 16, self.device), **kw))
+        return self._sps if policy == "auto" else self._sps[0]
 
 
 def _generate(dec, prompts, max_tokens):

@@ -67,12 +67,13 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     """Decode prompts_file with (target, drafter) and write summary.json + plots to out_dir.
 
     mode / policy / threshold / calibration as in Decoder; sps: an SPSProfile or its JSON path
-    for policy sync/async (None: profiling.load_or_profile measures or reuses a cached one).
+    for policy sync/async/auto (None: profiling.load_or_profile measures or reuses a cached one;
+    auto also measures or reuses the profile of plain rounds).
     Returns the summary dict."""
     read_turns(prompts_file, limit)  # a bad prompt file fails before any model is loaded
     dec = Decoder.from_pretrained(target, drafter, mode=mode, policy="fixed", device=device,
                                   dtype=dtype)
-    if policy in ("sync", "async") and sps is None:
+    if policy in ("sync", "async", "auto") and sps is None:
         from ..runner.profiling import load_or_profile
         sps = load_or_profile(dec.runner, progress=progress)
     if policy != "fixed" or calibration is not None:  # reuse the loaded weights
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
                      "lengths, tokens/s and confidence calibration; write summary.json + plots.")
     ap.add_argument("--mode", choices=["ar", "dflash", "dspark"],
                     help="default: dspark when the drafter has a head or confidence, else dflash")
-    ap.add_argument("--policy", default="fixed", choices=["fixed", "threshold", "sync", "async"])
+    ap.add_argument("--policy", default="fixed", choices=["fixed", "threshold", "sync", "async", "auto"])
     ap.add_argument("--threshold", type=float, default=0.5, help="for --policy threshold")
     ap.add_argument("--calibration", type=existing_file, help="STS JSON (ours or SGLang's)")
     ap.add_argument("--sps", type=existing_file, help="SPS profile JSON for sync/async (default: the "
