@@ -170,6 +170,28 @@ def test_stream_equals_whole(server, client, kw):
         assert chunks[-1]["choices"][0]["finish_reason"] and "metrics" in chunks[-1]
 
 
+def test_stop_string_across_steps_is_never_streamed(client):
+    """A stop string whose first characters arrive one step before its last: the stream must not
+    have sent them (the hold-back), so stream and whole response still agree."""
+    kw = _greedy(max_tokens=48, extra_body={"ignore_eos": True})
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], stream=True, **kw) if c.choices[0].text]
+    full, b, tried = "".join(pieces), 0, 0
+    for piece in pieces[:-1]:  # without stop strings a chunk is one step's text
+        b += len(piece)
+        stop = full[b - 2 : b + 2]
+        if len(stop) == 4 and stop.strip() and full.find(stop) == b - 2:
+            tried += 1
+            whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], stop=[stop], **kw)
+            assert whole.choices[0].text == full[: b - 2]
+            text, finishes, _ = _stream_text(client.completions.create(
+                model=MODEL, prompt=PROMPTS[1], stop=[stop], stream=True, **kw))
+            assert text == whole.choices[0].text and finishes == ["stop"]
+            if tried == 3:
+                break
+    assert tried, f"no step boundary to put a stop string on in {pieces}"
+
+
 def test_chat(client, ref):
     msgs = [{"role": "system", "content": "You write Python."},
             {"role": "user", "content": "Sort a list."}]
