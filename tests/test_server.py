@@ -400,3 +400,36 @@ def test_load_each_request_finishes_once_equal_to_alone(server, client, n):
     assert 0 < left <= len(drop)
     # and every request left the engine exactly once
     assert _counter(server, "stop") + _counter(server, "length") - done + left == n
+
+
+def test_serve_command(tmp_path):
+    """`python -m dspark_rt serve` as users start it: up, answers, and shuts down on SIGTERM."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    cmd = [sys.executable, "-m", "dspark_rt", "serve", "--target", TARGET, "--drafter", DRAFTER,
+           "--port", str(port), "--served-model-name", MODEL, "--max-num-seqs", "4",
+           "--log-level", "warning"]
+    bad = subprocess.run(cmd[:4] + ["--target", str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "not a model folder" in bad.stderr
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
+        while True:
+            assert proc.poll() is None, "the server exited"
+            assert time.monotonic() - t0 < 120, "the server did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4 and "dspark_rt:spec_decode" in httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()  # uvicorn shuts down, then re-raises the signal it caught
+        assert proc.wait(60) in (0, -15)
