@@ -8,7 +8,8 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 DSPARK_CUDA ?= auto
 export DSPARK_CUDA
 DEPS := setuptools wheel pybind11 cmake ninja numpy safetensors tokenizers jinja2 tqdm \
-        pytest hypothesis scipy transformers matplotlib nvidia-ml-py
+        pytest hypothesis scipy transformers matplotlib nvidia-ml-py \
+        fastapi uvicorn prometheus-client openai httpx
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: test demo build env bench-cpu clean

@@ -1,4 +1,4 @@
-"""Command line: `python -m dspark_rt env|demo|calibrate|profile|eval` (also installed as
+"""Command line: `python -m dspark_rt env|demo|calibrate|profile|eval|train|serve` (also installed as
 `dspark-rt`)."""
 import argparse
 import importlib
@@ -8,7 +8,8 @@ import sys
 TOOLS = {"calibrate": ("tools.calibrate", "fit STS temperatures of a drafter's confidence head"),
          "profile": ("tools.profile", "measure this machine's throughput profile SPS(B)"),
          "eval": ("tools.evaluate", "tau, acceptance, verify lengths, tokens/s and calibration"),
-         "train": ("train.__main__", "train a tiny target and DSpark/DFlash drafters")}
+         "train": ("train.__main__", "train a tiny target and DSpark/DFlash drafters"),
+         "serve": ("tools.serve", "an OpenAI-compatible HTTP server with Prometheus metrics")}
 
 
 def main(argv=None):

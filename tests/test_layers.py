@@ -16,7 +16,7 @@ LAYERS = [
     ("runner", ["runner"]),
     ("engine", ["engine"]),
     ("facade", ["decoder", ""]),  # "": the package's own __init__ (the public names)
-    ("tools, training, test support", ["tools", "train", "testing", "__main__"]),
+    ("tools, server, training, test support", ["tools", "server", "train", "testing", "__main__"]),
 ]
 
 

@@ -1,0 +1,175 @@
+"""The HTTP routes (FastAPI on Starlette): /health, /v1/models, /v1/completions,
+/v1/chat/completions (whole or streamed as server-sent events ending in [DONE]) and /metrics.
+
+A request is checked (protocol), queued on the engine thread (engine_loop), then read from its
+own queue: whole, or chunk by chunk. A client that goes away aborts its request: the streaming
+response is cancelled by Starlette on disconnect; a whole response races its collection against
+the ASGI disconnect message.
+"""
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .engine_loop import EngineLoop
+from .metrics import Metrics
+from .protocol import APIError, GenRequest, parse_chat, parse_completion
+from .responses import DONE, Body, spec_metrics, sse
+
+
+class ServerState:
+    """engine: the engine.Engine the server steps (sized by the caller); tokenizer: the target's
+    (chat template, text); model_name: the served name; max_model_len: the target's context."""
+
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, *,
+                 max_waiting: int = 1024):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.metrics = Metrics(model_name, engine.runner.gamma)
+        self.loop = EngineLoop(engine, self.metrics, max_waiting=max_waiting)
+        self.created = int(time.time())
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+
+
+async def _disconnected(request: Request):
+    """Returns when the client goes away (the body has been read: the next ASGI message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        state.loop.start()
+        try:
+            yield
+        finally:
+            state.loop.stop()
+
+    app = FastAPI(title="dspark_rt", lifespan=lifespan)
+    app.state.server = state
+
+    async def api_error(request, e: APIError):
+        return _error(e)
+
+    app.add_exception_handler(APIError, api_error)
+
+    @app.get("/health")
+    async def health():
+        if not state.loop.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "dspark_rt", "max_model_len": state.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        data, ctype = state.metrics.exposition()
+        return Response(data, media_type=ctype)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _json(request)
+        return await _generate(state, request, parse_completion(body, default_model=state.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _json(request)
+        g = parse_chat(body, default_model=state.model_name, tokenizer=state.tokenizer,
+                       max_model_len=state.max_model_len)
+        return await _generate(state, request, g)
+
+    return app
+
+
+async def _generate(state: ServerState, request: Request, g: GenRequest):
+    if g.model != state.model_name:
+        raise APIError(404, f"The model `{g.model}` does not exist.", "model")
+    try:
+        sub = await state.loop.submit(g.prompt, g.params, g.speculative)
+    except APIError as e:
+        if e.param == "prompt":
+            e.param = g.prompt_field
+        raise
+    body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop)
+    if g.stream:
+        return StreamingResponse(_stream(state, sub, body, g.include_usage),
+                                 media_type="text/event-stream")
+    collect = asyncio.ensure_future(_collect(state, sub))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():  # the client went away (or this handler was cancelled)
+            collect.cancel()
+            state.loop.abort(sub)
+    if collect.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    ev = collect.result()
+    if ev.error is not None or ev.output is None:
+        raise APIError(500, ev.error or "the request was dropped")
+    return body.full(ev.output)
+
+
+async def _collect(state: ServerState, sub):
+    """Waits for the request's last Event, timing its first and last tokens."""
+    first = None
+    while True:
+        ev = await sub.events.get()
+        if ev.new_token_ids and first is None:
+            first = time.monotonic()
+        if ev.finished:
+            if ev.output is not None:
+                state.metrics.latency(sub.arrival, first, time.monotonic(), len(ev.output.token_ids))
+            return ev
+
+
+async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
+    done, first = False, None
+    try:
+        while True:
+            ev = await sub.events.get()
+            if ev.new_token_ids and first is None:
+                first = time.monotonic()
+            if ev.finished:
+                done = True
+                break
+            chunk = body.delta(ev.new_token_ids, ev.logprobs)
+            if chunk is not None:
+                yield sse(chunk)
+        out = ev.output
+        if ev.error is not None or out is None:
+            yield sse(APIError(500, ev.error or "the request was dropped").body())
+        else:
+            state.metrics.latency(sub.arrival, first, time.monotonic(), len(out.token_ids))
+            last = body.last(ev.new_token_ids, ev.logprobs, out)
+            if include_usage:
+                yield sse(last)
+                yield sse(body.usage_chunk(out))
+            else:  # no usage chunk: the metrics ride on the chunk with the finish reason
+                last["metrics"] = spec_metrics(out.metrics)
+                yield sse(last)
+        yield DONE
+    finally:
+        if not done:  # the client went away mid-stream: free its pages now
+            state.loop.abort(sub)

@@ -1,0 +1,194 @@
+"""One Engine, one background thread stepping it; HTTP requests arrive on an asyncio loop.
+
+The engine thread owns the Engine: it alone makes, adds and aborts requests and steps, so an
+add or abort never waits on a step behind the Engine's lock while holding up the event loop.
+The event loop posts work into an inbox (submit, abort) and reads each request's results from
+its own asyncio.Queue, filled by the engine thread with loop.call_soon_threadsafe.
+
+A request leaves exactly once: finished by the engine (its last Event carries the
+RequestOutput), aborted (a client that went away: its pages go back to the pool at once) or
+failed (the engine raised; every request in flight gets the error, the loop goes on).
+"""
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+from .protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """What a request got from one step: new tokens (and their log-probabilities when asked);
+    on the last one, finished and the RequestOutput (or error)."""
+    new_token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool = False
+    output: object = None   # outputs.RequestOutput
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Submission:
+    """One HTTP request's handle on the engine. request_id and prompt_tokens are set by the
+    engine thread when the request is queued; then `started` resolves."""
+    prompt: object
+    params: SamplingParams
+    speculative: bool
+    loop: asyncio.AbstractEventLoop
+    started: asyncio.Future
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    request_id: int | None = None
+    prompt_tokens: int = 0
+    req: object = None       # engine.request.Request
+    sent_logprobs: int = 0   # log-probabilities already handed out
+    cancelled: bool = False  # the client went away before the request was queued
+
+
+def _post(loop, fn, *args):
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed: the server is shutting down
+        pass
+
+
+def _resolve(fut: asyncio.Future, value):
+    if not fut.done():
+        (fut.set_exception if isinstance(value, BaseException) else fut.set_result)(value)
+
+
+class EngineLoop:
+    """engine: an engine.Engine; metrics: a server.metrics.Metrics (or None); max_waiting:
+    requests that may wait for a batch slot (queued or not yet added) before new ones get 503."""
+
+    def __init__(self, engine, metrics=None, *, max_waiting: int = 1024):
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, Submission]] = []
+        self._live: dict[int, Submission] = {}  # request id -> submission, until it leaves
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dspark-rt-engine", daemon=True)
+        self.num_steps = 0
+
+    # -- event-loop side ---------------------------------------------------------------------
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0):
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def submit(self, prompt, params: SamplingParams, speculative: bool = True) -> Submission:
+        """Queues a request; returns once it is in the engine. Raises APIError 400 for a prompt
+        the engine refuses (too long, bad token ids), 503 when the queue is full."""
+        loop = asyncio.get_running_loop()
+        sub = Submission(prompt, params, speculative, loop, loop.create_future())
+        with self._cv:
+            pending = sum(1 for kind, _ in self._inbox if kind == "add")
+            if pending + self.engine.num_waiting >= self.max_waiting:
+                raise APIError(503, f"the server is busy: {self.max_waiting} requests are already "
+                               "waiting; retry later", headers={"Retry-After": "1"})
+            self._inbox.append(("add", sub))
+            self._cv.notify()
+        try:
+            await asyncio.shield(sub.started)
+        except asyncio.CancelledError:
+            self.abort(sub)
+            raise
+        return sub
+
+    def abort(self, sub: Submission):
+        """Drops the request wherever it is (no-op once it left)."""
+        with self._cv:
+            sub.cancelled = True
+            self._inbox.append(("abort", sub))
+            self._cv.notify()
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def _run(self):
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not (self._inbox or self._stopping or eng.has_unfinished()):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for kind, sub in inbox:
+                (self._add if kind == "add" else self._abort)(sub)
+            if eng.has_unfinished():
+                try:
+                    outs = eng.step()
+                except Exception as e:  # an engine bug: fail what is in flight, keep serving
+                    log.exception("Engine.step failed")
+                    self._fail_all(f"engine failure: {type(e).__name__}: {e}")
+                    continue
+                self.num_steps += 1
+                for o in outs:
+                    sub = self._live.get(o.request_id)
+                    if sub is not None:
+                        self._deliver(sub, o.new_token_ids, o.finished, o.output, o.error)
+            if self.metrics is not None:
+                self.metrics.queue(eng.num_running, eng.num_waiting)
+        for sub in list(self._live.values()):  # shutting down: nothing stays in flight
+            self._abort(sub)
+
+    def _add(self, sub: Submission):
+        if sub.cancelled:  # nobody waits for it
+            return
+        try:
+            req = self.engine.make_request(sub.prompt, sub.params, speculative=sub.speculative)
+            self.engine.add(req)
+        except ValueError as e:  # the prompt does not fit the model (length, token ids)
+            msg = str(e).removeprefix("request 0: ")
+            return _post(sub.loop, _resolve, sub.started, APIError(400, msg, "prompt"))
+        except Exception as e:  # noqa: BLE001 - a bug must not take the engine thread down
+            log.exception("adding a request failed")
+            return _post(sub.loop, _resolve, sub.started,
+                         APIError(500, f"{type(e).__name__}: {e}"))
+        sub.req, sub.request_id, sub.prompt_tokens = req, req.request_id, len(req.prompt_ids)
+        self._live[req.request_id] = sub
+        _post(sub.loop, _resolve, sub.started, sub)
+
+    def _abort(self, sub: Submission):
+        if sub.request_id is None or self._live.pop(sub.request_id, None) is None:
+            return
+        if self.engine.abort(sub.request_id):  # its pages are back in the pool
+            out = self.engine.output(sub.req)
+            if self.metrics is not None:
+                self.metrics.finished(out)
+            _post(sub.loop, sub.events.put_nowait, Event([], None, True, out))
+
+    def _deliver(self, sub: Submission, new_ids, finished, output=None, error=None):
+        lps = None
+        if sub.params.logprobs:
+            lps = list(sub.req.logprobs[sub.sent_logprobs : sub.sent_logprobs + len(new_ids)])
+            sub.sent_logprobs += len(new_ids)
+        if finished:
+            del self._live[sub.request_id]
+            if self.metrics is not None and output is not None:
+                self.metrics.finished(output)  # counters first: a client that sees its
+                # response and then reads /metrics finds its request counted
+        _post(sub.loop, sub.events.put_nowait, Event(list(new_ids), lps, finished, output, error))
+
+    def _fail_all(self, why: str):
+        for sub in list(self._live.values()):
+            if self.engine.abort(sub.request_id):
+                out = self.engine.output(sub.req)
+                if self.metrics is not None:
+                    self.metrics.finished(out)
+            self._live.pop(sub.request_id, None)
+            _post(sub.loop, sub.events.put_nowait, Event([], None, True, None, why))

@@ -1,0 +1,164 @@
+"""OpenAI response shapes: whole completions and chat completions, their server-sent-event chunks,
+usage, log-probabilities, and the per-request speculative metrics in vLLM's shape
+(`metrics.speculative_decoding` at the response root).
+
+Streamed text is the incremental text of the emitted tokens, minus a hold-back of the longest
+stop string's length - 1 characters while stop strings are set: a stop string that ends in a
+later round can then never have been sent in part, so the streamed pieces always add up to the
+final text (the Processor's, which is cut before the stop string).
+"""
+import json
+import time
+import uuid
+
+from ..outputs import RequestOutput, SpecMetrics
+from ..tokenizer import IncrementalText
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def spec_metrics(m: SpecMetrics) -> dict:
+    """vLLM's per-request names. A spec step is a round of this request (the drafter drafted for
+    it; the policy may have verified none of the drafts); mean_acceptance_length counts the
+    target's own token, so it is 1 + accepted / steps."""
+    return {"speculative_decoding": {
+        "mean_acceptance_length": m.mean_acceptance_length,
+        "draft_acceptance_rate": m.draft_acceptance_rate,
+        "acceptance_histogram": list(m.acceptance_histogram),
+        "num_spec_steps": m.num_rounds,
+        "num_accepted_draft_tokens": m.num_accepted_tokens,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens_per_pos": list(m.accepted_by_position),
+    }}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+class Logprobs:
+    """The OpenAI log-probability objects of emitted tokens (the sampled token only; no top
+    alternatives): completions' {tokens, token_logprobs, top_logprobs, text_offset} and chat's
+    {content: [{token, logprob, bytes, top_logprobs}]}."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def _piece(self, t: int) -> str:
+        return self.tok.decode([t]) if self.tok is not None else f"token_id:{t}"
+
+    def completion(self, ids, logprobs, offset: int = 0) -> dict:
+        pieces = [self._piece(t) for t in ids]
+        offsets, o = [], offset
+        for p in pieces:
+            offsets.append(o)
+            o += len(p)
+        return {"tokens": pieces, "token_logprobs": list(logprobs),
+                "top_logprobs": [{} for _ in pieces], "text_offset": offsets}
+
+    def chat(self, ids, logprobs) -> dict:
+        content = []
+        for t, lp in zip(ids, logprobs):
+            p = self._piece(t)
+            content.append({"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")),
+                            "top_logprobs": []})
+        return {"content": content}
+
+
+class Body:
+    """Builds one request's responses: the whole body, or its stream chunks."""
+
+    def __init__(self, kind: str, model: str, tokenizer, want_logprobs: bool, stops):
+        self.kind, self.model, self.id = kind, model, new_id(kind)
+        self.created = int(time.time())
+        self.lp = Logprobs(tokenizer) if want_logprobs else None
+        self.tok = tokenizer
+        self.text = IncrementalText(tokenizer) if tokenizer is not None else None
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = ""        # text streamed so far
+        self.first = True
+
+    def _object(self, chunk: bool) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    def _root(self, chunk: bool, choices) -> dict:
+        return {"id": self.id, "object": self._object(chunk), "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def _logprobs(self, ids, lps, offset):
+        if self.lp is None or lps is None:
+            return None
+        return self.lp.chat(ids, lps) if self.kind == "chat" else self.lp.completion(ids, lps, offset)
+
+    # -- whole response ----------------------------------------------------------------------
+
+    def full(self, out: RequestOutput) -> dict:
+        lp = self._logprobs(out.token_ids, out.logprobs, 0)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "logprobs": lp, "finish_reason": finish_reason(out)}
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": lp,
+                      "finish_reason": finish_reason(out)}
+        body = self._root(False, [choice])
+        body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
+        body["metrics"] = spec_metrics(out.metrics)
+        return body
+
+    # -- stream chunks -----------------------------------------------------------------------
+
+    def _chunk(self, text: str, ids, lps, reason=None) -> dict:
+        lp = self._logprobs(ids, lps, len(self.sent))
+        if self.kind == "chat":
+            delta = {"content": text}
+            if self.first:
+                delta = {"role": "assistant", "content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        self.first = False
+        return self._root(True, [choice])
+
+    def delta(self, new_ids, logprobs) -> dict | None:
+        """The chunk of one step's new tokens (None when nothing is to be sent yet).
+        logprobs: those tokens' log-probabilities, when asked for."""
+        ready = self.sent
+        if self.text is not None:
+            for t in new_ids:
+                self.text.push(t)
+            ready = self.text.text[: max(len(self.sent), len(self.text.text) - self.hold)]
+        piece = ready[len(self.sent):]
+        if not piece and not (self.lp is not None and new_ids):
+            return None
+        chunk = self._chunk(piece, new_ids, logprobs)
+        self.sent = ready
+        return chunk
+
+    def last(self, new_ids, logprobs, out: RequestOutput) -> dict:
+        """The final chunk: the rest of the final text and the finish reason."""
+        rest = out.text[len(self.sent):] if out.text.startswith(self.sent) else ""
+        chunk = self._chunk(rest, new_ids, logprobs, finish_reason(out))
+        self.sent += rest
+        return chunk
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        body = self._root(True, [])
+        body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
+        body["metrics"] = spec_metrics(out.metrics)
+        return body
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,86 @@
+"""`dspark-rt serve`: an OpenAI-compatible HTTP server (dspark_rt.server) over one Engine.
+
+FastAPI on uvicorn: the stack vLLM and SGLang serve with, so the error shapes, streaming and
+client behaviour users already know come with it; one engine thread steps the Engine while the
+event loop takes requests concurrently.
+"""
+import argparse
+import logging
+from pathlib import Path
+
+from .prompts import DTYPES, model_dir, positive
+
+CALIBRATION = "dspark_calibration.json"  # what `dspark-rt calibrate` writes next to the drafter
+
+
+def build_state(target, drafter=None, *, mode=None, policy="fixed", threshold=0.5,
+                calibration=None, served_model_name=None, max_num_seqs=32, num_pages=None,
+                max_num_batched_tokens=None, max_waiting=1024, device="cpu", dtype=None, seed=0):
+    """The Decoder's models, a fresh Engine of these sizes, and the server state over it.
+    num_pages (default): every running request can hold the whole context at once."""
+    from ..decoder import Decoder
+    from ..engine import EngineConfig
+    from ..server import ServerState
+
+    if calibration is None and drafter is not None and (Path(drafter) / CALIBRATION).is_file():
+        calibration = Path(drafter) / CALIBRATION
+    dec = Decoder.from_pretrained(target, drafter, device=device, dtype=dtype, mode=mode,
+                                  policy=policy, threshold=threshold, calibration=calibration,
+                                  seed=seed)
+    per_seq = -(-(dec.max_model_len + dec.runner.gamma + 2) // dec.runner.page_size)
+    budget = max_num_batched_tokens or max(2048, max_num_seqs * (1 + dec.runner.gamma))
+    eng = dec.new_engine(EngineConfig(num_pages=num_pages or max_num_seqs * per_seq,
+                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      chunk_size=min(budget, 512)))
+    return ServerState(eng, dec.tokenizer, served_model_name or str(target), dec.max_model_len,
+                       max_waiting=max_waiting)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dspark-rt serve", description="An OpenAI-compatible server "
+                                 "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                 "/metrics) over one continuous-batching Engine.")
+    ap.add_argument("--target", required=True, type=model_dir, help="target model folder")
+    ap.add_argument("--drafter", type=model_dir, help="drafter folder (none: plain decoding)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", help="the model name clients send (default: --target)")
+    ap.add_argument("--mode", choices=["ar", "dflash", "dspark"], help="default: by the drafter")
+    ap.add_argument("--policy", default="fixed", choices=["fixed", "threshold", "sync", "async"])
+    ap.add_argument("--threshold", type=float, default=0.5, help="for --policy threshold")
+    ap.add_argument("--calibration", help=f"STS temperatures (default: <drafter>/{CALIBRATION} "
+                    "when present)")
+    ap.add_argument("--max-num-seqs", type=positive(int), default=32, help="requests per batch")
+    ap.add_argument("--num-pages", type=positive(int), help="KV pages per cache (default: "
+                    "max-num-seqs whole contexts)")
+    ap.add_argument("--max-num-batched-tokens", type=positive(int), help="target tokens per step")
+    ap.add_argument("--max-waiting", type=int, default=1024, help="queued requests before new "
+                    "ones get 503 (Retry-After)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES)
+    ap.add_argument("--seed", type=int, default=0, help="Philox key of requests without a seed")
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
+    try:
+        import uvicorn
+
+        from ..server import build_app
+    except ImportError as e:
+        ap.exit(2, f"dspark-rt serve: {e.name} is missing: pip install 'dspark_rt[serve]'\n")
+    logging.basicConfig(level=a.log_level.upper())
+    try:
+        state = build_state(a.target, a.drafter, mode=a.mode, policy=a.policy,
+                            threshold=a.threshold, calibration=a.calibration,
+                            served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
+                            num_pages=a.num_pages, max_num_batched_tokens=a.max_num_batched_tokens,
+                            max_waiting=a.max_waiting, device=a.device,
+                            dtype=None if a.dtype == "auto" else a.dtype, seed=a.seed)
+    except (ValueError, OSError) as e:
+        ap.exit(2, f"dspark-rt serve: error: {e}\n")
+    uvicorn.run(build_app(state), host=a.host, port=a.port, log_level=a.log_level)
+    return 0
