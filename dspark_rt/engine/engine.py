@@ -98,18 +98,12 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def make_request(self, prompt, params=None, index=0, *, speculative: bool = True):
-        """A checked Request, not queued (errors name request `index` and the argument).
-        speculative=False: the request verifies no drafts (its cap is 0 every round, fixed before
-        drafting, so acceptance stays lossless); it decodes one target token per round."""
-        if not isinstance(speculative, bool):
-            raise ValueError(f"request {index}: speculative must be a bool, got {speculative!r}")
+    def make_request(self, prompt, params=None, index=0):
+        """A checked Request, not queued (errors name request `index` and the argument)."""
         with self._lock:
             rid = next(self._ids)
-        req = self.processor.request(index, prompt, params if params is not None else SamplingParams(),
-                                     rid, self.seed, rid + 1)
-        req.speculative = speculative
-        return req
+        return self.processor.request(index, prompt, params if params is not None else SamplingParams(),
+                                      rid, self.seed, rid + 1)
 
     def add_request(self, prompt, params=None) -> int:
         """Checks and queues one request; returns its id. Bad input raises ValueError naming the
@@ -198,8 +192,7 @@ class Engine:
         return SeqBatch([r.kv_len for r in reqs], [r.ctx_len for r in reqs],
                         [r.target_pages for r in reqs], [r.drafter_pages for r in reqs],
                         [r.anchor for r in reqs],
-                        [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len)) if r.speculative else 0
-                         for r in reqs],
+                        [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len)) for r in reqs],
                         [r.params for r in reqs], [r.seed for r in reqs], [r.stream for r in reqs],
                         [len(r.output_ids) if r.params.coupled else r.round for r in reqs])
 

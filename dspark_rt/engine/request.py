@@ -12,7 +12,7 @@ class Request:
     drafter context (equal to kv_len between rounds).
 
     One writer per field: the fields up to metrics are set once, when the engine's Processor
-    checks the request (speculative: by Engine.make_request); the scheduler writes kv_len, ctx_len and the pages (RequestScheduler:
+    checks the request; the scheduler writes kv_len, ctx_len and the pages (RequestScheduler:
     admission, prefill and round progress, preemption); the Processor writes the output fields
     (output_ids .. detok: commit, abort, fail). The runner reads a SeqBatch copy and writes
     nothing."""
@@ -23,7 +23,6 @@ class Request:
     seed: int          # uint64 Philox key
     stream: int        # Philox stream id (0 for a request with its own seed)
     metrics: SpecMetrics
-    speculative: bool = True  # False: the request verifies no drafts (plain decoding rounds)
     # scheduler
     kv_len: int = 0
     ctx_len: int = 0

@@ -105,7 +105,7 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
     if g.model != state.model_name:
         raise APIError(404, f"The model `{g.model}` does not exist.", "model")
     try:
-        sub = await state.loop.submit(g.prompt, g.params, g.speculative)
+        sub = await state.loop.submit(g.prompt, g.params)
     except APIError as e:
         if e.param == "prompt":
             e.param = g.prompt_field

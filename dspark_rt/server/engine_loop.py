@@ -38,7 +38,6 @@ class Submission:
     engine thread when the request is queued; then `started` resolves."""
     prompt: object
     params: SamplingParams
-    speculative: bool
     loop: asyncio.AbstractEventLoop
     started: asyncio.Future
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -90,11 +89,11 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def submit(self, prompt, params: SamplingParams, speculative: bool = True) -> Submission:
+    async def submit(self, prompt, params: SamplingParams) -> Submission:
         """Queues a request; returns once it is in the engine. Raises APIError 400 for a prompt
         the engine refuses (too long, bad token ids), 503 when the queue is full."""
         loop = asyncio.get_running_loop()
-        sub = Submission(prompt, params, speculative, loop, loop.create_future())
+        sub = Submission(prompt, params, loop, loop.create_future())
         with self._cv:
             pending = sum(1 for kind, _ in self._inbox if kind == "add")
             if pending + self.engine.num_waiting >= self.max_waiting:
@@ -150,7 +149,7 @@ class EngineLoop:
         if sub.cancelled:  # nobody waits for it
             return
         try:
-            req = self.engine.make_request(sub.prompt, sub.params, speculative=sub.speculative)
+            req = self.engine.make_request(sub.prompt, sub.params)
             self.engine.add(req)
         except ValueError as e:  # the prompt does not fit the model (length, token ids)
             msg = str(e).removeprefix("request 0: ")

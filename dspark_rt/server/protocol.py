@@ -41,7 +41,6 @@ class GenRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    speculative: bool
     logprobs: bool
     prompt_field: str             # "prompt" | "messages": what a bad prompt is reported as
 
@@ -121,7 +120,7 @@ def _sampling(body, max_tokens_default, logprobs: bool) -> SamplingParams:
             top_k=top_k, seed=_int(body, "seed"),
             max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
             stop=_stop(body), stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
-            logprobs=logprobs)
+            logprobs=logprobs, speculative=_bool(body, "speculative", True))
     except ValueError as e:  # SamplingParams names the field: report it under the API's name
         m = _PARAM.search(str(e))
         field = m.group(1) if m else "request"
@@ -172,8 +171,7 @@ def parse_completion(body, *, default_model: str) -> GenRequest:
     stream, usage = _stream(body)
     want = lp is not None
     return GenRequest("completion", _model(body, default_model), prompt,
-                      _sampling(body, 16, want), stream, usage, _bool(body, "speculative", True),
-                      want, "prompt")
+                      _sampling(body, 16, want), stream, usage, want, "prompt")
 
 
 def _message_text(i, m) -> dict:
@@ -220,5 +218,5 @@ def parse_chat(body, *, default_model: str, tokenizer, max_model_len: int) -> Ge
     stream, usage = _stream(body)
     # without max_tokens a chat answer runs to a stop token or the end of the context
     return GenRequest("chat", _model(body, default_model), prompt,
-                      _sampling(body, max_model_len, logprobs), stream, usage,
-                      _bool(body, "speculative", True), logprobs, "messages")
+                      _sampling(body, max_model_len, logprobs), stream, usage, logprobs,
+                      "messages")
