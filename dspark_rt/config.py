@@ -62,8 +62,9 @@ def _token_ids(v, src, key):
     return v
 
 
-def _parse_rope(d, src):
-    """Returns (rope_theta, rope_scaling) with rope_scaling None for plain RoPE."""
+def _parse_rope(d, src, drafter=False):
+    """Returns (rope_theta, rope_scaling) with rope_scaling None for plain RoPE. Drafter layers
+    also take YaRN (the drafter builds its own rotary, models/drafter.py)."""
     theta = d.get("rope_theta")
     scaling = d.get("rope_scaling")
     params = d.get("rope_parameters")  # transformers >= 5 writes everything here
@@ -81,14 +82,22 @@ def _parse_rope(d, src):
     if not isinstance(scaling, dict):
         raise CheckpointError(f"{src}: field 'rope_scaling' must be an object or null, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    allowed = ROPE_TYPES + (("yarn",) if drafter else ())
+    if kind not in allowed:
         raise CheckpointError(f"{src}: rope_scaling type {kind!r} is not supported "
-                              f"(supported: {', '.join(ROPE_TYPES)})")
+                              f"(supported: {', '.join(allowed)})")
     if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError(f"{src}: field 'partial_rotary_factor' != 1 is not supported")
     if kind == "default":
         return theta, None
     out = {"rope_type": kind, "factor": _get(scaling, "factor", src, float, min_value=1e-9)}
+    if kind == "yarn":  # fields and defaults of transformers' _compute_yarn_parameters
+        out["original_max_position_embeddings"] = _get(
+            scaling, "original_max_position_embeddings", src, int, min_value=1)
+        for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", None),
+                             ("mscale", None), ("mscale_all_dim", None)):
+            out[key] = _get(scaling, key, src, float, default)
+        out["truncate"] = _get(scaling, "truncate", src, bool, True)
     if kind == "llama3":
         out["low_freq_factor"] = _get(scaling, "low_freq_factor", src, float)
         out["high_freq_factor"] = _get(scaling, "high_freq_factor", src, float)
@@ -146,7 +155,8 @@ class TargetConfig:
         return cls.from_dict(read_json(src), src)
 
     @classmethod
-    def from_dict(cls, d: dict, src: str = "config.json", arch: str | None = None) -> "TargetConfig":
+    def from_dict(cls, d: dict, src: str = "config.json", arch: str | None = None,
+                  drafter: bool = False) -> "TargetConfig":
         arch = arch or _arch(d, src)
         hidden = _get(d, "hidden_size", src, int, min_value=1)
         heads = _get(d, "num_attention_heads", src, int, min_value=1)
@@ -171,7 +181,7 @@ class TargetConfig:
         if "sliding_attention" in (d.get("layer_types") or []):
             raise CheckpointError(f"{src}: field 'layer_types' has sliding_attention layers, "
                                   "which are not supported")
-        theta, scaling = _parse_rope(d, src)
+        theta, scaling = _parse_rope(d, src, drafter)
         return cls(
             source=src, arch=arch, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -188,22 +198,32 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """A DeepSpec DSpark/DFlash drafter (`format="deepspec"`) or a z-lab DFlash one (`"zlab"`)."""
+    """A DSpark / DFlash drafter in any supported packaging (dspark_rt/drafter_formats.py), in
+    DeepSpec's conventions. `format` names the packaging: "deepspec", "speculators",
+    "specforge" or "zlab"."""
     source: str
     format: str
     model: TargetConfig  # the drafter's own decoder layers (Qwen3 layers, q/k norms)
     block_size: int
     target_layer_ids: tuple
     mask_token_id: int
-    num_target_layers: int | None  # z-lab configs do not carry it
+    num_target_layers: int | None  # z-lab / speculators configs do not carry it
     markov_rank: int = 0
     head: str = "none"  # "none" | "vanilla" | "gated" | "rnn"
     confidence: bool = False
     confidence_markov: bool = False
+    block_layout: str = "anchor_first"  # or "one_plus_n": slot j >= 1 predicts position p + j
+    draft_vocab_size: int | None = None  # reduced draft vocabulary (d2t offsets), else None
+    sts_temperatures: tuple | None = None  # STS temperatures shipped in the config
+    causal_layers: tuple = ()  # per drafter layer: causal inside the block (z-lab sliding layers)
+    sliding_window: int | None = None
+    rope_interleave: bool = False  # q/k rows rotate in consecutive pairs (permuted at load)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
 
     @property
     def layout(self) -> str:
-        return "anchor_first" if self.format == "deepspec" else "one_plus_n"
+        return self.block_layout
 
     @property
     def gamma(self) -> int:
@@ -225,61 +245,22 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict, src: str = "config.json") -> "DrafterConfig":
-        archs = d.get("architectures") or []
-        if "Qwen3DSparkModel" in archs:
-            return cls._deepspec(d, src)
-        if "DFlashDraftModel" in archs or (not archs and "dflash_config" in d):
-            return cls._zlab(d, src)
-        raise CheckpointError(f"{src}: field 'architectures' = {archs!r} names no supported drafter "
-                              "(Qwen3DSparkModel, DFlashDraftModel)")
-
-    @classmethod
-    def _deepspec(cls, d, src):
-        model = TargetConfig.from_dict(d, src, arch="qwen3")
-        n_target = _get(d, "num_target_layers", src, int, min_value=1)
-        rank = _get(d, "markov_rank", src, int, min_value=0)
-        head = "none"
-        if rank > 0:
-            head = d.get("markov_head_type", _REQUIRED)
-            if head is _REQUIRED:
-                raise CheckpointError(f"{src}: required field 'markov_head_type' is missing "
-                                      f"(markov_rank={rank})")
-            if head not in HEAD_TYPES:
-                raise CheckpointError(f"{src}: field 'markov_head_type' = {head!r} is not a known "
-                                      f"head type ({', '.join(HEAD_TYPES)})")
-        conf = _get(d, "enable_confidence_head", src, bool)
-        conf_markov = _get(d, "confidence_head_with_markov", src, bool) if conf else False
-        if conf_markov and rank == 0:
-            raise CheckpointError(f"{src}: field 'confidence_head_with_markov' is true but "
-                                  "markov_rank is 0")
-        out = cls(source=src, format="deepspec", model=model,
-                  block_size=_get(d, "block_size", src, int, min_value=1),
-                  target_layer_ids=_layer_ids(d.get("target_layer_ids"), src, "target_layer_ids"),
-                  mask_token_id=_get(d, "mask_token_id", src, int, min_value=0),
-                  num_target_layers=n_target, markov_rank=rank, head=head, confidence=conf,
-                  confidence_markov=conf_markov)
-        out._check_ranges(n_target)
+        from .drafter_formats import parse
+        f = parse(d, src)
+        out = cls(source=src, format=f.packaging, model=f.model, block_size=f.block_size,
+                  target_layer_ids=f.target_layer_ids, mask_token_id=f.mask_token_id,
+                  num_target_layers=f.num_target_layers, markov_rank=f.markov_rank, head=f.head,
+                  confidence=f.confidence, confidence_markov=f.confidence_markov,
+                  block_layout=f.layout, draft_vocab_size=f.draft_vocab_size,
+                  sts_temperatures=f.sts_temperatures, causal_layers=f.causal_layers,
+                  sliding_window=f.sliding_window, rope_interleave=f.rope_interleave,
+                  input_embedding_scale=f.input_embedding_scale,
+                  output_multiplier=f.output_multiplier)
+        out._check_ranges(out.num_target_layers)
         return out
 
-    @classmethod
-    def _zlab(cls, d, src):
-        model = TargetConfig.from_dict(d, src, arch="qwen3")
-        dc = d.get("dflash_config")
-        if not isinstance(dc, dict):
-            raise CheckpointError(f"{src}: required field 'dflash_config' is missing")
-        block = d.get("block_size", dc.get("block_size"))
-        out = cls(source=src, format="zlab", model=model,
-                  block_size=_get({"block_size": block}, "block_size", src, int, min_value=2),
-                  target_layer_ids=_layer_ids(dc.get("target_layer_ids"), src,
-                                              "dflash_config.target_layer_ids"),
-                  mask_token_id=_get(dc, "mask_token_id", src, int, min_value=0),
-                  num_target_layers=d.get("num_target_layers"))
-        if out.num_target_layers is not None:
-            out._check_ranges(_get(d, "num_target_layers", src, int, min_value=1))
-        return out
-
-    def _check_ranges(self, n_target: int):
-        for lid in self.target_layer_ids:
+    def _check_ranges(self, n_target: int | None):
+        for lid in self.target_layer_ids if n_target is not None else ():
             if not -1 <= lid < n_target - 1:
                 raise CheckpointError(
                     f"{self.source}: field 'target_layer_ids' has layer id {lid} out of range: "
@@ -301,6 +282,11 @@ class DrafterConfig:
                 f"{self.source}: field 'num_target_layers' = {self.num_target_layers} does not match "
                 f"the target's num_hidden_layers = {target.num_hidden_layers} ({target.source})")
         self._check_ranges(target.num_hidden_layers)
+        if self.sliding_window is not None and self.sliding_window < target.max_position_embeddings:
+            raise CheckpointError(
+                f"{self.source}: field 'sliding_window' = {self.sliding_window} is below the "
+                f"target's max_position_embeddings = {target.max_position_embeddings}: the "
+                "window would bind, and windowed drafter attention is not served")
 
 
 def _layer_ids(v, src, key):
