@@ -120,9 +120,9 @@ class Checkpoint:
             raise CheckpointError(f"{self.index_file}: tensor '{name}' is missing "
                                   f"(expected shape {tuple(shape)}, integers)")
         fpath, got, dt = self.entries[name][:3]
-        if got != tuple(shape) or dt not in ("I64", "I32", "I16", "U8", "I8"):
+        if got != tuple(shape) or dt not in ("I64", "I32", "I16", "U8", "I8", "BOOL"):
             raise CheckpointError(f"{fpath}: tensor '{name}' has shape {got} and dtype {dt}, "
-                                  f"expected shape {tuple(shape)} and an integer dtype")
+                                  f"expected shape {tuple(shape)} and an integer (or bool) dtype")
         with safe_open(fpath, framework="pt", device=str(device)) as f:
             return f.get_tensor(self.stored_name(name)).long()
 
@@ -213,6 +213,8 @@ def drafter_aliases(names) -> dict:
     out = {}
     for n in names:
         out[n] = "model." + n
+        if n.endswith("_codebook.weight"):  # DFlash2 stores its codebooks without .weight
+            out[n] = n.removesuffix(".weight")
         if n.startswith("confidence_head.proj."):
             out[n] = "confidence_head." + n.removeprefix("confidence_head.proj.")
     return out
