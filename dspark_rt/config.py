@@ -220,6 +220,7 @@ class DrafterConfig:
     rope_interleave: bool = False  # q/k rows rotate in consecutive pairs (permuted at load)
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
+    dflash2: dict | None = None  # DFlash2DraftModel fields (parsed only when asked for)
 
     @property
     def layout(self) -> str:
@@ -239,14 +240,15 @@ class DrafterConfig:
     head_dim = property(lambda self: self.model.head_dim)
 
     @classmethod
-    def from_json(cls, path: str) -> "DrafterConfig":
+    def from_json(cls, path: str, allow_dflash2: bool = False) -> "DrafterConfig":
         src = _config_path(path)
-        return cls.from_dict(read_json(src), src)
+        return cls.from_dict(read_json(src), src, allow_dflash2)
 
     @classmethod
-    def from_dict(cls, d: dict, src: str = "config.json") -> "DrafterConfig":
+    def from_dict(cls, d: dict, src: str = "config.json",
+                  allow_dflash2: bool = False) -> "DrafterConfig":
         from .drafter_formats import parse
-        f = parse(d, src)
+        f = parse(d, src, allow_dflash2)
         out = cls(source=src, format=f.packaging, model=f.model, block_size=f.block_size,
                   target_layer_ids=f.target_layer_ids, mask_token_id=f.mask_token_id,
                   num_target_layers=f.num_target_layers, markov_rank=f.markov_rank, head=f.head,
@@ -255,7 +257,7 @@ class DrafterConfig:
                   sts_temperatures=f.sts_temperatures, causal_layers=f.causal_layers,
                   sliding_window=f.sliding_window, rope_interleave=f.rope_interleave,
                   input_embedding_scale=f.input_embedding_scale,
-                  output_multiplier=f.output_multiplier)
+                  output_multiplier=f.output_multiplier, dflash2=f.dflash2)
         out._check_ranges(out.num_target_layers)
         return out
 

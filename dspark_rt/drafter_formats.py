@@ -97,13 +97,18 @@ class Fields:
     rope_interleave: bool = False
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
+    dflash2: dict | None = None  # DFlash2 convolution / selector fields (models/dflash2.py)
 
 
-def parse(d: dict, src: str) -> Fields:
+def _is_dflash2(d, archs, nested):
+    return "DFlash2DraftModel" in archs or d.get("speculators_model_type") == "dflash2" or \
+        any(k in n for n in nested.values() for k in _DFLASH2_KEYS)
+
+
+def parse(d: dict, src: str, allow_dflash2: bool = False) -> Fields:
     archs = [str(a) for a in (d.get("architectures") or [])]
     nested = {k: d[k] for k in ("dflash_config", "dspark_config") if isinstance(d.get(k), dict)}
-    if "DFlash2DraftModel" in archs or d.get("speculators_model_type") == "dflash2" or \
-            any(k in n for n in nested.values() for k in _DFLASH2_KEYS):
+    if _is_dflash2(d, archs, nested) and not (allow_dflash2 and "dflash_config" in nested):
         raise CheckpointError(
             f"{src}: field 'architectures' = {archs!r} / dflash_config "
             f"{sorted(k for n in nested.values() for k in n if k in _DFLASH2_KEYS)}: a "
@@ -232,13 +237,13 @@ def _layout(get, src, default):
 
 
 def _finish(packaging, d, src, get, model, window, *, block, layout, ids, mask, n_target,
-            heads, causal, draft_vocab=None):
+            heads, causal, draft_vocab=None, dflash2=None):
     rank, head, conf, conf_markov = heads
     if layout == "one_plus_n" and block < 2:
         raise CheckpointError(f"{src}: field 'block_size' = {block}: a 1+N block needs >= 2 slots")
     gamma = block if layout == "anchor_first" else block - 1
     softcap = get("final_logit_softcapping", float, required=False)
-    if softcap:
+    if softcap and dflash2 is None:
         raise CheckpointError(f"{src}: field 'final_logit_softcapping' = {softcap}: capped draft "
                               "logits are not served (the runner adds the head to raw logits)")
     if draft_vocab is not None and draft_vocab > model.vocab_size:
@@ -252,7 +257,7 @@ def _finish(packaging, d, src, get, model, window, *, block, layout, ids, mask, 
         sts_temperatures=_sts(get, src, gamma), causal_layers=tuple(causal), sliding_window=window,
         rope_interleave=bool(get("rope_interleave", bool, required=False)),
         input_embedding_scale=get("input_embedding_scale", float, 1.0),
-        output_multiplier=get("output_multiplier", float, 1.0))
+        output_multiplier=get("output_multiplier", float, 1.0), dflash2=dflash2)
 
 
 # -- packagings --------------------------------------------------------------------------------
@@ -289,6 +294,14 @@ def _nested(d, nested, src):
     defaults = dict(markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
                     confidence_head_with_markov=True) if is_dspark else \
         dict(markov_rank=0, enable_confidence_head=False)
+    dflash2 = None
+    if _is_dflash2(d, [str(a) for a in d.get("architectures") or []], nested):
+        dflash2 = {k: get(k, int, min_value=1) for k in _DFLASH2_KEYS}
+        dflash2.update(output_multiplier=get("output_multiplier", float, 1.0),
+                       final_logit_softcapping=get("final_logit_softcapping", float, 0.0))
+        if model.hidden_size % dflash2["conv_group_size"]:
+            raise CheckpointError(f"{src}: field 'conv_group_size' = "
+                                  f"{dflash2['conv_group_size']} does not divide hidden_size")
     # z-lab: a sliding layer is causal inside the block unless is_causal says otherwise
     is_causal = get("is_causal", bool, required=False)
     causal = [k == "sliding_attention" if is_causal is None else is_causal for k in kinds]
@@ -296,7 +309,8 @@ def _nested(d, nested, src):
                    block=get("block_size", int, min_value=1), layout=_layout(get, src, "one_plus_n"),
                    ids=ids, mask=get("mask_token_id", int, min_value=0), n_target=n_target,
                    heads=_heads(get, src, defaults=defaults), causal=causal,
-                   draft_vocab=get("draft_vocab_size", int, required=False, min_value=1))
+                   draft_vocab=get("draft_vocab_size", int, required=False, min_value=1),
+                   dflash2=dflash2)
 
 
 def _speculators(d, src):

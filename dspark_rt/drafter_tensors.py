@@ -67,7 +67,7 @@ def adapt(dcfg: DrafterConfig, tensors: dict, target, vocab_map=None, src: str =
         for name in [n for n in t if n.endswith(("q_proj.weight", "k_proj.weight",
                                                   "q_norm.weight", "k_norm.weight"))]:
             t[name] = _permute_heads(t[name], hd)
-    if dcfg.output_multiplier != 1.0:
+    if dcfg.output_multiplier != 1.0 and dcfg.dflash2 is None:  # DFlash2 scales its unary only
         t["norm.weight"] = t["norm.weight"] * dcfg.output_multiplier
     if dcfg.confidence and "confidence_head.proj.bias" not in t:
         t["confidence_head.proj.bias"] = t["confidence_head.proj.weight"].new_zeros(1)

@@ -159,8 +159,8 @@ def test_packaging_decodes_like_its_canonical_layout(tmp_path, plain, name):
 def _config_patch(monkeypatch, packaging, fn):
     real = DrafterConfig.from_dict.__func__
 
-    def patched(cls, d, src="config.json"):
-        out = real(cls, d, src)
+    def patched(cls, d, src="config.json", allow_dflash2=False):
+        out = real(cls, d, src, allow_dflash2)
         return fn(out) if out.format == packaging else out
     monkeypatch.setattr(DrafterConfig, "from_dict", classmethod(patched))
 
@@ -456,3 +456,149 @@ def test_speculators_layer_config_is_written_without_defaults(tmp_path):
     cfg = DrafterConfig.from_json(tmp_path / "p")
     assert (cfg.model.rms_norm_eps, cfg.model.rope_theta) == (1e-6, 10000.0)
     assert cfg.target_layer_ids == DrafterConfig.from_json(VANILLA).target_layer_ids
+
+
+# -- DFlash2: backbone and proposal against their reference (not served by the round yet) -------
+
+def _dflash2_dense(w, emb, c, feats, block_ids, n_ctx):
+    """z-lab DFlash2DraftModel.forward for one request, transcribed densely from
+    dflash/model.py: context K/V from hidden_norm(fc(features)), every sublayer wrapped in the
+    grouped dynamic causal convolution over the block, bidirectional attention (is_causal false,
+    window not binding)."""
+    dc = c["dflash_config"]
+    d, hq, hkv, hd, eps, theta = (c["hidden_size"], c["num_attention_heads"],
+                                  c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"],
+                                  c["rope_theta"])
+    K, gs = dc["conv_kernel_size"], dc["conv_group_size"]
+
+    def rms(x, wt):
+        return wt * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):
+        inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        ang = pos.double()[:, None] * inv
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def conv(x, dyn, base):  # _grouped_dynamic_convolve, one sequence
+        L = x.shape[0]
+        blocks, out = x.view(L, d // gs, gs), torch.zeros(L, d // gs, gs, dtype=x.dtype)
+        for o in range(K):
+            vals = blocks if o == 0 else torch.cat([torch.zeros(o, d // gs, gs, dtype=x.dtype),
+                                                    blocks[:-o]])
+            out = out + base[o].view(d // gs, gs) * vals + dyn[:, o][..., None] * vals
+        return out.view(L, d)
+
+    ctx = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
+    h = emb[block_ids]
+    B = len(block_ids)
+    cpos, bpos = torch.arange(n_ctx), torch.arange(n_ctx, n_ctx + B)
+    for i in range(c["num_hidden_layers"]):
+        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+
+        def wrapped(x, name, sub):
+            dyn = (x @ p(f"{name}.kernel_projection.weight").T).view(B, 2, K, d // gs)
+            y = sub(conv(x, dyn[:, 0], p(f"{name}.base_kernel")[0]))
+            return conv(y, dyn[:, 1], p(f"{name}.base_kernel")[1])
+
+        def attn(x):
+            q = rope(rms((x @ p("self_attn.q_proj.weight").T).view(B, hq, hd),
+                         p("self_attn.q_norm.weight")), bpos)
+            src = torch.cat([ctx, x])
+            k = rope(rms((src @ p("self_attn.k_proj.weight").T).view(-1, hkv, hd),
+                         p("self_attn.k_norm.weight")), torch.cat([cpos, bpos]))
+            v = (src @ p("self_attn.v_proj.weight").T).view(-1, hkv, hd)
+            k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+            a = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5, -1)
+            return torch.einsum("hqk,khd->qhd", a, v).reshape(B, hq * hd) @ p("self_attn.o_proj.weight").T
+
+        def mlp(x):
+            return (torch.nn.functional.silu(x @ p("mlp.gate_proj.weight").T)
+                    * (x @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+
+        h = h + wrapped(rms(h, p("input_layernorm.weight")), "attention_conv", attn)
+        h = h + wrapped(rms(h, p("post_attention_layernorm.weight")), "mlp_conv", mlp)
+    return rms(h, w["norm.weight"])
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(tmp_path_factory):
+    from dspark_rt.models.dflash2 import DFlash2Drafter
+    from dspark_rt.models.qwen3 import Qwen3Model
+    tmp = tmp_path_factory.mktemp("dflash2")
+    tdir = testing.write_tiny_target(tmp / "t", vocab=96, hidden=32, layers=3, heads=4,
+                                     kv_heads=2, head_dim=8, seed=3)
+    ddir = pk.dflash2(tmp, tdir)
+    target = Qwen3Model.from_pretrained(tdir, dtype="float64")
+    return tdir, ddir, target, DFlash2Drafter.from_pretrained(str(ddir), target)
+
+
+def test_dflash2_backbone_matches_reference(dflash2_pair):
+    from dspark_rt.models.batch import AttnMeta
+    tdir, ddir, target, dr = dflash2_pair
+    with pytest.raises(CheckpointError, match="DFlash2DraftModel"):
+        Drafter.from_pretrained(str(ddir), target)  # the runtime's loader refuses it by name
+    with pytest.raises(RuntimeError, match="not served by the round"):
+        dr.gamma
+    c, w = pk.read(ddir)
+    w = {k: v.double() for k, v in w.items()}
+    emb = pk.read(tdir)[1]["model.embed_tokens.weight"].double()
+    B, n_ctx, page = c["dflash_config"]["block_size"], 6, 4
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, n_ctx, 2 * 32, generator=g, dtype=torch.float64)
+    ids = torch.full((2, B), c["dflash_config"]["mask_token_id"])
+    ids[:, 0] = torch.tensor([5, 17])
+    pages = (n_ctx + B + page - 1) // page
+    cache = dr.make_cache(2 * pages, page)
+    tables = torch.arange(2 * pages, dtype=torch.int32).view(2, pages)
+
+    def slots(r, pos):
+        return tables[r, pos // page].long() * page + pos % page
+    for r in range(2):
+        pos = torch.arange(n_ctx)
+        dr.context_update(feats[r], pos, slots(r, pos), cache)
+    bpos = torch.arange(n_ctx, n_ctx + B)
+    meta = AttnMeta(cu_q=torch.tensor([0, B, 2 * B], dtype=torch.int32),
+                    kv_lens=torch.tensor([n_ctx + B] * 2, dtype=torch.int32), block_tables=tables,
+                    slot_mapping=torch.cat([slots(0, bpos), slots(1, bpos)]), causal=False)
+    hidden = dr.forward_block(ids.reshape(-1), torch.cat([bpos, bpos]), meta, cache)
+    for r in range(2):
+        want = _dflash2_dense(w, emb, c, feats[r], ids[r], n_ctx)
+        assert torch.allclose(hidden[r * B:(r + 1) * B], want, rtol=1e-10, atol=1e-12)
+
+
+def test_dflash2_proposal_is_a_topk_masked_bilinear_head(dflash2_pair):
+    """The reference proposal (CandidateSelector.select) equals, position by position, the
+    full-vocabulary form a round would use: S = U + <A[prev] * H h, B[b]> on the top-k of U,
+    -inf elsewhere; greedy takes its argmax, T > 0 samples softmax(S / T). And the acceptance
+    rule with that q (candidates scattered) emits exactly the target's law."""
+    _, ddir, target, dr = dflash2_pair
+    c = pk.read(ddir)[0]["dflash_config"]
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(3, c["block_size"] - 1, 32, generator=g, dtype=torch.float64)
+    anchor = torch.tensor([1, 50, 95])
+    sel = dr.candidate_selector
+    for T in (0.0, 0.8):
+        tokens, cand, q = dr.propose(h, anchor, T, generator=torch.Generator().manual_seed(0))
+        prev = anchor
+        for t in range(h.shape[1]):
+            u = torch.tanh(target.lm_head(h[:, t]) * c["output_multiplier"]
+                           / c["final_logit_softcapping"]) * c["final_logit_softcapping"]
+            bias = (sel.predecessor_codebook.weight[prev] * (h[:, t] @ sel.hidden_projection.weight.T)) \
+                @ sel.successor_codebook.weight.T
+            top = u.topk(c["selector_top_k"], -1).indices
+            S = torch.full_like(u, float("-inf")).scatter(-1, top, (u + bias).gather(-1, top))
+            assert set(cand[:, t].flatten().tolist()) <= set(top.flatten().tolist())
+            if T == 0:
+                assert torch.equal(tokens[:, t], S.argmax(-1))
+            else:
+                full = torch.zeros_like(u).scatter(-1, cand[:, t], q[:, t])
+                assert torch.allclose(full, torch.softmax(S / T, -1), atol=1e-12)
+            prev = tokens[:, t]
+    # lossless acceptance against a proposal supported on the candidates (z-lab _rejection_sample)
+    P = torch.softmax(torch.randn(96, generator=g, dtype=torch.float64), -1)
+    qfull = torch.zeros(96, dtype=torch.float64).scatter(0, cand[0, 0], q[0, 0])
+    emitted = torch.minimum(qfull, P) + (1 - torch.minimum(qfull, P).sum()) * \
+        (P - qfull).clamp_min(0) / (P - qfull).clamp_min(0).sum()
+    assert torch.allclose(emitted, P, atol=1e-12)

@@ -30,6 +30,8 @@ _HEAD_TENSORS = {"markov_head.markov_w1.weight": "w1", "markov_head.markov_w2.we
 
 
 class Drafter(nn.Module):
+    allow_dflash2 = False  # DFlash2 checkpoints load only as models.dflash2.DFlash2Drafter
+
     def __init__(self, dcfg: DrafterConfig):
         super().__init__()
         cfg = dcfg.model
@@ -48,10 +50,13 @@ class Drafter(nn.Module):
         """Loads a drafter directory in any supported packaging (dspark_rt/drafter_formats.py)
         for `target`; the config and every tensor are checked against the target before
         anything is loaded, then rewritten exactly into the runner's form (drafter_tensors)."""
-        dcfg = DrafterConfig.from_json(path)
+        dcfg = DrafterConfig.from_json(path, allow_dflash2=cls.allow_dflash2)
         dcfg.check_target(target.config)
         ckpt = Checkpoint(path)
         required, optional = drafter_specs(dcfg)
+        if dcfg.dflash2 is not None:
+            from .dflash2 import dflash2_specs
+            required.update(dflash2_specs(dcfg))
         ckpt.rename(drafter_aliases({**required, **optional}))
         ckpt.check(required, optional, num_layers=dcfg.num_hidden_layers)
         dtype = target.dtype if dtype is None else resolve_dtype(dtype)
