@@ -37,7 +37,9 @@ specforge    `dflash_config` holding DSpark fields (markov_rank, markov_head_typ
              enable_confidence_head, confidence_head_with_markov, projector_type "dspark") on
              a Qwen3 config (sgl-project/SpecForge configs/qwen3-8b-dspark.json,
              specforge/modeling/draft/dspark.py); DFlash's 1+N block unless `sample_from_anchor`
-             says otherwise (llama.cpp PR 26275 discussion); rope scaling honoured (YaRN).
+             says otherwise (llama.cpp PR 26275 discussion); rope scaling honoured (YaRN);
+             `draft_vocab_size` with the same d2t / t2d buffers as speculators
+             (specforge/modeling/draft/vocab_mixin.py: t2d bool, i + d2t[i] the target id).
 zlab         `dflash_config` {mask_token_id, target_layer_ids, block_size?} (z-lab/dflash
              dflash/model.py): 1+N block; `layer_types` "sliding_attention" layers attend within
              `sliding_window` and, unless `is_causal` says otherwise, causally inside the block;
@@ -141,7 +143,12 @@ def _layer_config(d: dict, src: str, *, trust_layer_types: bool) -> tuple:
         if isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) == "default":
             d[key] = {k: v for k, v in rp.items() if k != "partial_rotary_factor"}
     n = _get(d, "num_hidden_layers", src, int, min_value=1)
-    kinds = d.get("layer_types") or ["full_attention"] * n
+    kinds = d.get("layer_types")
+    if not kinds:  # transformers' Qwen3Config derives them: sliding from max_window_layers on
+        sliding = d.get("sliding_window") if d.get("use_sliding_window") else None
+        first = d.get("max_window_layers", 0) or 0
+        kinds = ["sliding_attention" if sliding is not None and i >= first else "full_attention"
+                 for i in range(n)]
     if not isinstance(kinds, list) or len(kinds) != n or \
             any(k not in ("full_attention", "sliding_attention") for k in kinds):
         raise CheckpointError(f"{src}: field 'layer_types' = {kinds!r} must list full_attention / "

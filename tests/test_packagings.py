@@ -602,3 +602,17 @@ def test_dflash2_proposal_is_a_topk_masked_bilinear_head(dflash2_pair):
     emitted = torch.minimum(qfull, P) + (1 - torch.minimum(qfull, P).sum()) * \
         (P - qfull).clamp_min(0) / (P - qfull).clamp_min(0).sum()
     assert torch.allclose(emitted, P, atol=1e-12)
+
+
+def test_layer_kinds_follow_transformers_when_layer_types_is_absent(tmp_path):
+    """No layer_types: Qwen3Config's rule (sliding from max_window_layers on when
+    use_sliding_window) decides, so an inherited sliding window is not silently dropped."""
+    p = pk.zlab(DFLASH, tmp_path / "p")
+    cfg = _cfg(p)
+    cfg.pop("layer_types", None)
+    cfg.update(use_sliding_window=True, sliding_window=4096, max_window_layers=0)
+    (p / "config.json").write_text(json.dumps(cfg))
+    assert DrafterConfig.from_json(p).causal_layers == (True,)  # z-lab: sliding layers are causal
+    cfg["max_window_layers"] = 1
+    (p / "config.json").write_text(json.dumps(cfg))
+    assert DrafterConfig.from_json(p).causal_layers == (False,)
