@@ -28,9 +28,10 @@ __all__ = ["adapt", "interleave_to_halves"]
 _SAT = 1e4  # sigmoid(1e4) and tanh(1e4) are exactly 1 in float32 and float64
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal when compared in the lower of the two precisions (a bf16 copy of an fp32 head)."""
-    lo = a.dtype if torch.finfo(a.dtype).eps >= torch.finfo(b.dtype).eps else b.dtype
+def _same(a: torch.Tensor, b: torch.Tensor, stored: torch.dtype | None = None) -> bool:
+    """Equal once both are rounded to `stored`, the dtype the drafter file keeps its copy in
+    (a bf16 copy of an fp32 head is that head), else to the coarser of the two."""
+    lo = stored or (a.dtype if torch.finfo(a.dtype).eps >= torch.finfo(b.dtype).eps else b.dtype)
     return a.shape == b.shape and torch.equal(a.to(lo), b.to(lo))
 
 
@@ -48,16 +49,19 @@ def _permute_heads(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w.view(-1, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
-def adapt(dcfg: DrafterConfig, tensors: dict, target, vocab_map=None, src: str = "") -> tuple:
+def adapt(dcfg: DrafterConfig, tensors: dict, target, vocab_map=None, src: str = "",
+          stored=None) -> tuple:
     """tensors: canonical names as loaded (checkpoint.drafter_specs). vocab_map: d2t [V_draft]
-    int64 when the drafter has a reduced vocabulary. Returns (dcfg, tensors) as the Drafter
+    int64 when the drafter has a reduced vocabulary. stored: name -> the torch dtype the file
+    keeps it in (copies are compared at that precision). Returns (dcfg, tensors) as the Drafter
     presents them: target vocabulary, half-split rotary, no copies of target tensors."""
+    stored = stored or {}
     t = dict(tensors)
     for name, theirs in (("embed_tokens.weight", target.embed_tokens.weight),
                          ("lm_head.weight", _target_head(target))):
         mine = t.get(name)
         if mine is not None and mine.shape[0] == theirs.shape[0]:
-            if not _same(mine, theirs):
+            if not _same(mine, theirs, stored.get(name)):
                 raise CheckpointError(f"{src}: tensor '{name}' differs from the target's: the "
                                       "drafter was trained against another embedding / LM head, "
                                       "and the runtime drafts with the target's")
@@ -72,11 +76,11 @@ def adapt(dcfg: DrafterConfig, tensors: dict, target, vocab_map=None, src: str =
     if dcfg.confidence and "confidence_head.proj.bias" not in t:
         t["confidence_head.proj.bias"] = t["confidence_head.proj.weight"].new_zeros(1)
     if dcfg.draft_vocab_size is not None:
-        dcfg, t = _expand_vocab(dcfg, t, target, vocab_map, src)
+        dcfg, t = _expand_vocab(dcfg, t, target, vocab_map, src, stored)
     return dcfg, t
 
 
-def _expand_vocab(dcfg, t, target, d2t, src):
+def _expand_vocab(dcfg, t, target, d2t, src, stored):
     import dataclasses
     V, Vd, r = dcfg.vocab_size, dcfg.draft_vocab_size, dcfg.markov_rank
     ids = torch.arange(Vd, device=d2t.device) + d2t.long()  # d2t holds offsets
@@ -85,7 +89,7 @@ def _expand_vocab(dcfg, t, target, d2t, src):
                               f"(draft_vocab_size={Vd}) outside or onto repeated target ids")
     head = _target_head(target)
     lm = t.pop("lm_head.weight", None)
-    if lm is not None and not _same(lm, head[ids.to(head.device)]):
+    if lm is not None and not _same(lm, head[ids.to(head.device)], stored.get("lm_head.weight")):
         raise CheckpointError(f"{src}: tensor 'lm_head.weight' (draft vocabulary, "
                               f"draft_vocab_size={Vd}) is not the target's LM head at the d2t ids: "
                               "its proposal cannot be formed from the target's logits")

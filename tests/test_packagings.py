@@ -191,7 +191,7 @@ def _d2t_ignored(monkeypatch):
         out[:int(t.sum())] = 1
         return out
     monkeypatch.setattr(Checkpoint, "load_index_tensor", identity_map)
-    monkeypatch.setattr(drafter_tensors, "_same", lambda a, b: True)
+    monkeypatch.setattr(drafter_tensors, "_same", lambda a, b, stored=None: True)
 
 
 MUST_FAIL = {
@@ -319,6 +319,21 @@ def test_copies_of_target_tensors_must_match(tmp_path):
     save_file(t, tmp_path / "p" / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"tensor 'lm_head\.weight' differs from the target"):
         _load(p)
+
+
+def test_low_precision_copies_are_copies(tmp_path):
+    """A bf16 copy of an fp32 target's embedding / LM head is compared at bf16 precision."""
+    from safetensors.torch import load_file, save_file
+    from dspark_rt.models.qwen3 import Qwen3Model
+    tdir = testing.write_tiny_target(tmp_path / "t", vocab=96, hidden=32, layers=3, heads=4,
+                                     kv_heads=2, head_dim=8, dtype="float32")
+    testing.write_tiny_drafter(tmp_path / "d", tdir, head="vanilla", markov_rank=8,
+                               target_layer_ids=[-1, 1])
+    st = tmp_path / "d" / "model.safetensors"
+    t = load_file(st)
+    save_file({k: v.to(torch.bfloat16) if k in ("lm_head.weight", "embed_tokens.weight") else v
+               for k, v in t.items()}, st)
+    Drafter.from_pretrained(str(tmp_path / "d"), Qwen3Model.from_pretrained(tdir, dtype="float64"))
 
 
 def test_draft_vocabulary_checks(tmp_path):
