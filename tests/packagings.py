@@ -105,11 +105,13 @@ def speculators(src, out, target_dir, *, legacy=False, draft_ids=None, model_typ
     anchor_first = not cfg.get("dspark_bonus_anchor", False)
     B, V = cfg["block_size"], cfg["vocab_size"]
     rank = cfg.get("markov_rank", 0)
+    kind = "dspark" if rank else "dflash"  # speculators' DFlash: no Markov / confidence fields
+    label = {"dspark": ("DSparkSpeculator", "DSparkDraftModel"),
+             "dflash": ("DFlashSpeculator", "DFlashDraftModel")}[kind][0 if legacy else 1]
     out_cfg = {
-        "architectures": ["DSparkSpeculator"] if legacy else ["DSparkDraftModel"],
-        "speculators_model_type": "dspark", "speculators_version": "0.5.0",
+        "architectures": [label], "speculators_model_type": kind, "speculators_version": "0.5.0",
         "speculators_config": {
-            "algorithm": "dspark", "default_proposal_method": "greedy",
+            "algorithm": kind, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy",
                                   "speculative_tokens": B if anchor_first else B - 1}],
             "verifier": {"name_or_path": str(target_dir), "architectures": ["Qwen3ForCausalLM"]}},
@@ -125,6 +127,10 @@ def speculators(src, out, target_dir, *, legacy=False, draft_ids=None, model_typ
         "loss_decay_gamma": None}
     if not legacy:
         out_cfg["sample_from_anchor"] = anchor_first
+    if kind == "dflash":
+        for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                  "confidence_head_with_markov", "confidence_head_alpha"):
+            del out_cfg[k]
     t = {k: v for k, v in t.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     if draft_ids is not None:
         ids = torch.as_tensor(draft_ids, dtype=torch.long)
@@ -144,9 +150,13 @@ def masked_vocab_canonical(src, out, draft_ids) -> str:
     Markov rank, embedding 1 for every token, projection 0 on draft_ids and -inf elsewhere
     (vanilla head). The law a reduced-vocabulary checkpoint of the same weights defines."""
     cfg, t = read(src)
-    if cfg.get("markov_head_type") != "vanilla":
-        raise ValueError("masked_vocab_canonical writes vanilla heads only")
     r, V = cfg["markov_rank"], cfg["vocab_size"]
+    if r and cfg.get("markov_head_type") != "vanilla":
+        raise ValueError("masked_vocab_canonical writes vanilla heads (or none) only")
+    if r == 0:  # no head: the restriction alone, as a rank-1 vanilla head
+        cfg["markov_head_type"] = "vanilla"
+        t["markov_head.markov_w1.weight"] = torch.zeros(V, 0)
+        t["markov_head.markov_w2.weight"] = torch.zeros(V, 0)
     w1, w2 = t["markov_head.markov_w1.weight"], t["markov_head.markov_w2.weight"]
     col = torch.full((V, 1), float("-inf"), dtype=w2.dtype)
     col[torch.as_tensor(draft_ids)] = 0

@@ -84,6 +84,12 @@ def _speculators_draft_vocab(tmp):
     return pk.speculators(VANILLA, tmp / "p", TARGET, draft_ids=ids), canon, {}
 
 
+def _speculators_dflash_draft_vocab(tmp):
+    ids = _draft_ids()
+    canon = pk.masked_vocab_canonical(DFLASH, tmp / "c", ids)
+    return pk.speculators(DFLASH, tmp / "p", TARGET, draft_ids=ids), canon, {}
+
+
 def _specforge(tmp):
     canon = pk.with_fields(VANILLA, tmp / "c", dspark_bonus_anchor=True)
     return pk.specforge(canon, tmp / "p"), canon, {}
@@ -124,7 +130,8 @@ def _interleaved(tmp):
 CASES = {"deepspec-stock": _deepspec_stock, "deepspec-dflash-stock": _deepspec_dflash_stock,
          "forked-label": _forked, "speculators": _speculators,
          "speculators-legacy": _speculators_legacy, "speculators-legacy-1+N": _speculators_legacy_1n,
-         "speculators-draft-vocab": _speculators_draft_vocab, "specforge": _specforge,
+         "speculators-draft-vocab": _speculators_draft_vocab,
+         "speculators-dflash-draft-vocab": _speculators_dflash_draft_vocab, "specforge": _specforge,
          "specforge-yarn": _specforge_yarn, "zlab-nested": _zlab, "zlab-sliding": _zlab_sliding,
          "sts-in-config": _sts_in_config, "conf-without-bias": _conf_without_bias,
          "rope-interleaved": _interleaved}
