@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import resolve_dtype
+from .checkpoint.tensors import resolve_dtype
 from .engine import EngineConfig
 from .engine.engine import Engine
 from .models.drafter import Drafter
@@ -20,7 +20,7 @@ from .policies import Calibration, make_policy
 from .policies.sts import CALIBRATION_FILE
 from .runner.runner import MODES, Runner
 from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer
+from .checkpoint.tokenizer import Tokenizer
 
 
 def _dtype(dtype, device: torch.device) -> torch.dtype:
@@ -97,19 +97,26 @@ class Decoder:
     def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):
         """target: a Hugging Face Qwen3 / Llama folder; drafter: a DeepSpec DSpark/DFlash or
         z-lab DFlash folder (or None for plain decoding). Without calibration=, the STS
-        temperatures `dspark-rt calibrate` wrote beside the drafter are used when present
-        (calibration="none": uncalibrated confidences)."""
+        temperatures `dspark-rt calibrate` wrote beside the drafter are used when present, else
+        those the drafter's config ships (sts_temperatures); calibration="none": uncalibrated."""
         device = torch.device(device)
         cal = kwargs.get("calibration")
-        if cal is None and drafter is not None and (Path(drafter) / CALIBRATION_FILE).is_file():
-            kwargs["calibration"] = Path(drafter) / CALIBRATION_FILE
-        elif isinstance(cal, str) and cal == "none":
+        if isinstance(cal, str) and cal == "none":
             kwargs["calibration"] = None
+        elif cal is None and drafter is not None and (Path(drafter) / CALIBRATION_FILE).is_file():
+            kwargs["calibration"] = Path(drafter) / CALIBRATION_FILE
         dt = _dtype(dtype, device)
         tgt = Qwen3Model.from_pretrained(target, dtype=dt, device=device)
         drf = Drafter.from_pretrained(drafter, tgt, dtype=dt, device=device) if drafter else None
         tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
-        return cls(tgt, drf, tok, device=device, **kwargs)
+        shipped = cal is None and kwargs.get("calibration") is None and drf is not None and \
+            getattr(drf, "sts_temperatures", None)
+        if shipped:  # STS temperatures shipped inside the drafter's config
+            kwargs["calibration"] = list(drf.sts_temperatures)
+        dec = cls(tgt, drf, tok, device=device, **kwargs)
+        if shipped:
+            dec.calibration_source = f"{Path(drafter) / 'config.json'} (sts_temperatures)"
+        return dec
 
     def new_engine(self, config: EngineConfig | None = None, **kwargs) -> Engine:
         """A new Engine over this Decoder's models (it takes over the KV caches: the previous

@@ -205,7 +205,7 @@ def test_incremental_text_equals_full_decode():
     import random
     from pathlib import Path
 
-    from dspark_rt.tokenizer import IncrementalText, Tokenizer
+    from dspark_rt.checkpoint.tokenizer import IncrementalText, Tokenizer
     tok = Tokenizer.from_pretrained(Path(__file__).parents[1] / "dspark_rt" / "pretrained" / "target")
     rng = random.Random(0)
     samples = [tok.encode("naïve café — 世界 😀 ok"), tok.encode("def f(x):\n    return x\n")]

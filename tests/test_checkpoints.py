@@ -8,11 +8,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark_rt import testing
-from dspark_rt.checkpoint import Checkpoint
-from dspark_rt.config import CheckpointError, DrafterConfig, TargetConfig
+from dspark_rt.checkpoint.tensors import Checkpoint
+from dspark_rt.checkpoint.config import CheckpointError, TargetConfig
+from dspark_rt.checkpoint.drafter_config import DrafterConfig
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.models.qwen3 import Qwen3Model
-from dspark_rt.tokenizer import ChatTemplateError, Tokenizer
+from dspark_rt.checkpoint.tokenizer import ChatTemplateError, Tokenizer
 
 SIZES = dict(vocab=96, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8)
 D, L, V, RANK = SIZES["hidden"], SIZES["layers"], SIZES["vocab"], 8

@@ -15,7 +15,7 @@ from dspark_rt.tools.prompts import PromptFileError, load_prompts, read_turns
 from dspark_rt.policies.prefix import SyncScheduler
 from dspark_rt.policies.sps import SPSProfile
 from dspark_rt.policies.sts import STSResult
-from dspark_rt.tokenizer import Tokenizer
+from dspark_rt.checkpoint.tokenizer import Tokenizer
 
 GAMMA = 4
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",

@@ -9,8 +9,8 @@ PKG = Path(__file__).resolve().parents[1] / "dspark_rt"
 
 # Bottom to top. A module may import modules of its own layer and of the layers below.
 LAYERS = [
-    ("kernels and plain types", ["_C", "ops", "nvml", "sampling_params", "outputs", "config"]),
-    ("checkpoint I/O", ["checkpoint", "tokenizer"]),
+    ("kernels and plain types", ["_C", "ops", "nvml", "sampling_params", "outputs"]),
+    ("checkpoint I/O", ["checkpoint"]),
     ("models", ["models"]),
     ("policies", ["policies"]),
     ("runner", ["runner"]),

@@ -205,7 +205,7 @@ def test_rope_inv_freq_bitwise_as_transformers(tmp_path):
     """In float32 our inverse frequencies are transformers' to the bit (same formula, same order)."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from dspark_rt.config import TargetConfig
+    from dspark_rt.checkpoint.config import TargetConfig
     for case in ("llama-linear", "llama-llama3"):
         path = testing.write_tiny_target(tmp_path / case, **{**SIZES, **TARGET_CASES[case]})
         hf_cfg = AutoConfig.from_pretrained(path)

@@ -6,7 +6,7 @@ import torch
 
 from ..outputs import RequestOutput, SpecMetrics
 from ..sampling_params import SamplingParams
-from ..tokenizer import IncrementalText
+from ..checkpoint.tokenizer import IncrementalText
 from .request import Request
 
 

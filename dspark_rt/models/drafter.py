@@ -7,16 +7,23 @@ Block tokens attend bidirectionally to the context and to each other. The token 
 head are the target's. The sequential head and the confidence head are tensors the runtime hands
 to ops.markov_sample.
 """
+import dataclasses
+import math
+
 import torch
 from torch import nn
 
-from ..checkpoint import Checkpoint, drafter_specs, resolve_dtype
-from ..config import DrafterConfig
+from ..checkpoint.tensors import Checkpoint, dflash2_specs, drafter_aliases, drafter_specs, resolve_dtype
+from ..checkpoint.drafter_config import DrafterConfig
+from ..checkpoint.drafter_tensors import adapt
 from .kv_cache import PagedKVCache
 from .batch import AttnMeta
-from .qwen3 import DecoderLayer, Qwen3Model, RMSNorm, Rotary, build
+from .qwen3 import DecoderLayer, Qwen3Model, RMSNorm, Rotary, acc_dtype, build
 
 __all__ = ["Drafter"]
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16}
 
 # file name -> attribute; the runtime passes these straight to ops.markov_sample
 _HEAD_TENSORS = {"markov_head.markov_w1.weight": "w1", "markov_head.markov_w2.weight": "w2",
@@ -26,6 +33,8 @@ _HEAD_TENSORS = {"markov_head.markov_w1.weight": "w1", "markov_head.markov_w2.we
 
 
 class Drafter(nn.Module):
+    allow_dflash2 = False  # DFlash2 checkpoints load only as models.dflash2.DFlash2Drafter
+
     def __init__(self, dcfg: DrafterConfig):
         super().__init__()
         cfg = dcfg.model
@@ -41,21 +50,40 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, target: Qwen3Model, dtype=None, device=None) -> "Drafter":
-        """Loads a DeepSpec (Qwen3DSparkModel) or z-lab (DFlashDraftModel) directory for `target`;
-        the config and every tensor are checked against the target before anything is loaded."""
-        dcfg = DrafterConfig.from_json(path)
+        """Loads a drafter directory in any supported packaging (dspark_rt/drafter_formats.py)
+        for `target`; the config and every tensor are checked against the target before
+        anything is loaded, then rewritten exactly into the runner's form (drafter_tensors)."""
+        dcfg = DrafterConfig.from_json(path, allow_dflash2=cls.allow_dflash2)
         dcfg.check_target(target.config)
         ckpt = Checkpoint(path)
         required, optional = drafter_specs(dcfg)
+        if dcfg.dflash2 is not None:
+            required.update(dflash2_specs(dcfg))
+        ckpt.rename(drafter_aliases({**required, **optional}))
         ckpt.check(required, optional, num_layers=dcfg.num_hidden_layers)
         dtype = target.dtype if dtype is None else resolve_dtype(dtype)
         device = target.device if device is None else torch.device(device)
-        return cls.from_tensors(dcfg, ckpt.load(required, dtype, device), target)
+        names = list(required) + [n for n in optional if n in ckpt.entries]
+        d2t = None
+        if dcfg.draft_vocab_size is not None:
+            d2t = ckpt.load_index_tensor("d2t", (dcfg.draft_vocab_size,), device)
+            if "t2d" in ckpt.entries:
+                t2d = ckpt.load_index_tensor("t2d", (dcfg.vocab_size,), device).bool()
+                ids = torch.arange(len(d2t), device=device) + d2t
+                if int(t2d.sum()) != len(d2t) or not bool(t2d[ids.clamp(0, len(t2d) - 1)].all()):
+                    raise dcfg_error(dcfg, "tensors 't2d' and 'd2t' disagree on the draft "
+                                     f"vocabulary (draft_vocab_size={dcfg.draft_vocab_size})")
+        stored = {n: _ST_DTYPES[ckpt.entries[n][2]] for n in ("embed_tokens.weight", "lm_head.weight")
+                  if n in ckpt.entries}
+        dcfg, tensors = adapt(dcfg, ckpt.load(names, dtype, device), target, d2t, ckpt.index_file,
+                              stored)
+        return cls.from_tensors(dcfg, tensors, target)
 
     @classmethod
     def from_tensors(cls, dcfg: DrafterConfig, tensors: dict, target: Qwen3Model) -> "Drafter":
-        """A drafter over tensors named as in its checkpoint (checkpoint.drafter_specs, required
-        ones), all of one dtype on one device; embedding and LM head are the target's."""
+        """A drafter over tensors in canonical names (checkpoint.drafter_specs, required ones,
+        after drafter_tensors.adapt), all of one dtype on one device; embedding and LM head are
+        the target's."""
         tensors = dict(tensors)
         heads = {_HEAD_TENSORS[n]: tensors.pop(n) for n in list(tensors) if n in _HEAD_TENSORS}
         with torch.device("meta"):
@@ -64,7 +92,9 @@ class Drafter(nn.Module):
         for attr, t in heads.items():
             setattr(model, attr, t.reshape(-1) if attr == "conf_w" else t)  # [1, k] -> [k]
         fc = model.fc.weight
-        model.rotary = Rotary(dcfg.model, fc.dtype, fc.device)
+        sc = dcfg.model.rope_scaling
+        model.rotary = YarnRotary(dcfg.model, fc.dtype, fc.device) \
+            if sc is not None and sc["rope_type"] == "yarn" else Rotary(dcfg.model, fc.dtype, fc.device)
         model._embed, model._lm_head = target.embed, target.lm_head
         return model
 
@@ -75,6 +105,7 @@ class Drafter(nn.Module):
     block_size = property(lambda self: self.config.block_size)
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: list(self.config.target_layer_ids))
+    sts_temperatures = property(lambda self: self.config.sts_temperatures)  # shipped in config
 
     @property
     def dtype(self) -> torch.dtype:
@@ -90,7 +121,9 @@ class Drafter(nn.Module):
                             c.head_dim, self.dtype, self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._embed(ids).to(self.dtype)
+        e = self._embed(ids).to(self.dtype)
+        scale = self.config.input_embedding_scale  # z-lab dflash_config.input_embedding_scale
+        return e if scale == 1.0 else e * scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Base logits U = the target's lm_head(hidden): float32 (float64 for float64 targets)."""
@@ -118,7 +151,60 @@ class Drafter(nn.Module):
                              "bidirectionally)")
         h = self.embed(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        plan = meta.plan(cache.k[0], self.layers[0].self_attn.h_q)  # once, for every layer
+        causal = self.config.causal_layers
+        metas = {False: meta}
+        if any(causal):  # z-lab sliding layers attend causally inside the block (dflash/model.py)
+            metas[True] = dataclasses.replace(meta, causal=True)
+        h_q = self.layers[0].self_attn.h_q
+        plans = {c: m.plan(cache.k[0], h_q) for c, m in metas.items()}  # once, for every layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, cache, i, plan)
+            c = bool(causal and causal[i])
+            h = layer(h, cos, sin, metas[c], cache, i, plans[c])
         return self.norm(h)
+
+
+def dcfg_error(dcfg, msg):
+    from ..checkpoint.config import CheckpointError
+    return CheckpointError(f"{dcfg.source}: {msg}")
+
+
+class YarnRotary(Rotary):
+    """YaRN rotary (drafters whose config carries rope_scaling type "yarn", e.g. SpecForge and
+    DeepSpec configs copied from a YaRN target): inverse frequencies blended between
+    interpolation and extrapolation over a ramp of dimensions, cos / sin scaled by the attention
+    factor. Transcribed from the definition in transformers' modeling_rope_utils.py
+    (_compute_yarn_parameters) and the YaRN paper (arXiv 2309.00071); checked against it in
+    tests/test_packagings.py."""
+
+    def __init__(self, cfg, dtype: torch.dtype, device):
+        sc, hd, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+        factor, old = sc["factor"], sc["original_max_position_embeddings"]
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        att = sc["attention_factor"]
+        if att is None:
+            att = mscale(factor, sc["mscale"]) / mscale(factor, sc["mscale_all_dim"]) \
+                if sc["mscale"] and sc["mscale_all_dim"] else mscale(factor)
+
+        def corr_dim(rot):  # dimension whose wavelength makes `rot` turns over `old` positions
+            return hd * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = corr_dim(sc["beta_fast"]), corr_dim(sc["beta_slow"])
+        if sc["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, hd - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        adt = acc_dtype(dtype)
+        pos_freqs = base ** (torch.arange(0, hd, 2, dtype=adt) / hd)
+        ramp = ((torch.arange(hd // 2, dtype=adt) - lo) / (hi - lo)).clamp(0, 1)
+        extra = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+        self.inv_freq = ((1 / (factor * pos_freqs)) * (1 - extra) + (1 / pos_freqs) * extra).to(device)
+        self.attention_factor = float(att)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), \
+            (emb.sin() * self.attention_factor).to(dtype)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..checkpoint import Checkpoint, resolve_dtype, target_specs
-from ..config import TargetConfig
+from ..checkpoint.tensors import Checkpoint, resolve_dtype, target_specs
+from ..checkpoint.config import TargetConfig
 from .kv_cache import PagedKVCache
 from .batch import AttnMeta
 

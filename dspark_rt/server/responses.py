@@ -12,7 +12,7 @@ import time
 import uuid
 
 from ..outputs import RequestOutput, SpecMetrics
-from ..tokenizer import IncrementalText
+from ..checkpoint.tokenizer import IncrementalText
 
 
 def new_id(kind: str) -> str:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..checkpoint import Checkpoint, resolve_dtype
+from ..checkpoint.tensors import Checkpoint, resolve_dtype
 
 __all__ = ["write_tiny_target", "write_tiny_drafter", "write_tiny_dflash", "SPECIAL_TOKENS",
            "CHAT_TEMPLATE"]

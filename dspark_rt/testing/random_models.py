@@ -7,8 +7,9 @@ dspark_rt.synthetic). Weights are N(0, 0.02^2), norm weights 1; generated on the
 """
 import torch
 
-from dspark_rt.checkpoint import drafter_specs, target_specs
-from dspark_rt.config import DrafterConfig, TargetConfig
+from dspark_rt.checkpoint.tensors import drafter_specs, target_specs
+from dspark_rt.checkpoint.config import TargetConfig
+from dspark_rt.checkpoint.drafter_config import DrafterConfig
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.models.qwen3 import Qwen3Model
 

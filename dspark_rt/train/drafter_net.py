@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import resolve_dtype
-from ..config import TargetConfig
+from ..checkpoint.tensors import resolve_dtype
+from ..checkpoint.config import TargetConfig
 from ..models.qwen3 import DecoderLayer, RMSNorm
 
 __all__ = ["DrafterNet", "drafter_config", "save_drafter", "default_layer_ids"]

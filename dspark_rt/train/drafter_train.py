@@ -26,8 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import Checkpoint
-from ..config import DrafterConfig
+from ..checkpoint.tensors import Checkpoint
+from ..checkpoint.drafter_config import DrafterConfig
 from ..models.qwen3 import Qwen3Model, Rotary
 from .corpus import EOT, TokenStream, load_corpus
 from .dense import drafter_block_forward, target_forward

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..checkpoint import resolve_dtype
-from ..config import TargetConfig
+from ..checkpoint.tensors import resolve_dtype
+from ..checkpoint.config import TargetConfig
 from ..models.qwen3 import Qwen3Model, Rotary
 from .corpus import EOT, TokenStream, load_corpus
 from .dense import target_forward

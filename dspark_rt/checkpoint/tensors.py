@@ -11,9 +11,11 @@ import re
 import torch
 from safetensors import safe_open
 
-from .config import CheckpointError, DrafterConfig, TargetConfig, read_json
+from .config import CheckpointError, TargetConfig, read_json
+from .drafter_config import DrafterConfig
 
-__all__ = ["Checkpoint", "resolve_dtype", "layer_specs", "target_specs", "drafter_specs"]
+__all__ = ["Checkpoint", "resolve_dtype", "layer_specs", "target_specs", "drafter_specs", "dflash2_specs",
+           "drafter_aliases"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -93,18 +95,41 @@ class Checkpoint:
         for name, shape in {**optional, **required}.items():
             if name not in self.entries:
                 continue
-            fpath, got, dt = self.entries[name]
+            fpath, got, dt = self.entries[name][:3]
             if got != tuple(shape):
                 raise CheckpointError(f"{fpath}: tensor '{name}' has shape {got}, expected "
                                       f"{tuple(shape)}")
             if dt not in _FLOAT_DTYPES:
                 raise CheckpointError(f"{fpath}: tensor '{name}' has dtype {dt}, expected a float "
                                       f"dtype ({', '.join(_FLOAT_DTYPES)})")
-        for name, (fpath, _, _) in self.entries.items():
+        for name, (fpath, *_) in self.entries.items():
             m = _LAYER_RE.match(name)
             if m and int(m.group(1)) >= num_layers:
                 raise CheckpointError(f"{fpath}: tensor '{name}' belongs to layer {m.group(1)} but "
                                       f"the config has num_hidden_layers={num_layers}")
+
+    def rename(self, aliases: dict):
+        """aliases: canonical name -> stored name; the entry is then found under its canonical
+        name (same weights under another name in some packagings)."""
+        for canonical, stored in aliases.items():
+            if canonical not in self.entries and stored in self.entries:
+                self.entries[canonical] = self.entries.pop(stored) + (stored,)
+
+    def load_index_tensor(self, name: str, shape: tuple, device) -> torch.Tensor:
+        """An integer tensor (a vocabulary map), checked for shape and an integer dtype."""
+        if name not in self.entries:
+            raise CheckpointError(f"{self.index_file}: tensor '{name}' is missing "
+                                  f"(expected shape {tuple(shape)}, integers)")
+        fpath, got, dt = self.entries[name][:3]
+        if got != tuple(shape) or dt not in ("I64", "I32", "I16", "U8", "I8", "BOOL"):
+            raise CheckpointError(f"{fpath}: tensor '{name}' has shape {got} and dtype {dt}, "
+                                  f"expected shape {tuple(shape)} and an integer (or bool) dtype")
+        with safe_open(fpath, framework="pt", device=str(device)) as f:
+            return f.get_tensor(self.stored_name(name)).long()
+
+    def stored_name(self, name: str) -> str:
+        e = self.entries[name]
+        return e[3] if len(e) > 3 else name
 
     def load(self, names, dtype, device) -> dict:
         """Reads the named tensors, cast to dtype, on device."""
@@ -116,7 +141,7 @@ class Checkpoint:
         for fpath, group in by_file.items():
             with safe_open(fpath, framework="pt", device=str(device)) as f:
                 for name in group:
-                    out[name] = f.get_tensor(name).to(dtype)
+                    out[name] = f.get_tensor(self.stored_name(name)).to(dtype)
         return out
 
 
@@ -152,25 +177,61 @@ def target_specs(cfg: TargetConfig) -> tuple:
 
 
 def drafter_specs(dcfg: DrafterConfig) -> tuple:
-    """(required, optional) tensor shapes of a DeepSpec or z-lab drafter checkpoint."""
+    """(required, optional) tensor shapes of a drafter checkpoint in canonical (DeepSpec) names.
+    With a reduced draft vocabulary (speculators draft_vocab_size) markov_w2 and lm_head have
+    V_draft rows and markov_w1 keeps the target's V (speculators models/dspark/model_definitions.py);
+    the d2t / t2d index tensors are read apart (Checkpoint.load_index_tensor)."""
     cfg = dcfg.model
     V, d, r, m = cfg.vocab_size, cfg.hidden_size, dcfg.markov_rank, len(dcfg.target_layer_ids)
+    Vd = dcfg.draft_vocab_size or V
     req = {"norm.weight": (d,), "fc.weight": (d, m * d), "hidden_norm.weight": (d,)}
     for i in range(cfg.num_hidden_layers):
         req.update(layer_specs(f"layers.{i}.", cfg))
     if dcfg.head != "none":
         req["markov_head.markov_w1.weight"] = (V, r)
-        req["markov_head.markov_w2.weight"] = (V, r)
+        req["markov_head.markov_w2.weight"] = (Vd, r)
     if dcfg.head == "gated":
         req["markov_head.gate_proj.weight"] = (r, d + r)
         req["markov_head.gate_proj.bias"] = (r,)
     if dcfg.head == "rnn":
         req["markov_head.joint_proj.weight"] = (3 * r, 2 * r + d)
         req["markov_head.joint_proj.bias"] = (3 * r,)
+    opt = {}
     if dcfg.confidence:
         req["confidence_head.proj.weight"] = (1, d + r if dcfg.confidence_markov else d)
-        req["confidence_head.proj.bias"] = (1,)
-    # DeepSpec files carry copies of the target's embedding and LM head; the runtime uses the
-    # target's own, but a copy of the wrong shape means the drafter was trained for another target
-    opt = {"embed_tokens.weight": (V, d), "lm_head.weight": (V, d)}
+        opt["confidence_head.proj.bias"] = (1,)  # SGLang's DSparkConfidenceHead may omit it
+    # DeepSpec files carry copies of the target's embedding and LM head; speculators files carry
+    # the draft-vocabulary LM head. The runtime uses the target's own (drafter_tensors.adapt
+    # checks the copies equal it)
+    opt.update({"embed_tokens.weight": (V, d), "lm_head.weight": (Vd, d)})
     return req, opt
+
+
+def drafter_aliases(names) -> dict:
+    """canonical name -> the name other packagings store it under: a `model.` prefix (SGLang
+    strips it when loading, python/sglang/srt/models/dspark.py), and `confidence_head.{weight,
+    bias}` without the `.proj` module (the trainer exports in vime, speculators forks)."""
+    out = {}
+    for n in names:
+        out[n] = "model." + n
+        if n.endswith("_codebook.weight"):  # DFlash2 stores its codebooks without .weight
+            out[n] = n.removesuffix(".weight")
+        if n.startswith("confidence_head.proj."):
+            out[n] = "confidence_head." + n.removeprefix("confidence_head.proj.")
+    return out
+
+
+def dflash2_specs(dcfg) -> dict:
+    """Shapes of the DFlash2 tensors beyond a DFlash drafter's (z-lab/dflash
+    tests/fixtures/dflash2-safetensors-header.json); the codebooks may be stored without
+    `.weight` (DFlash2DraftModel.from_pretrained key_mapping)."""
+    f, d, V = dcfg.dflash2, dcfg.hidden_size, dcfg.vocab_size
+    k, groups, r = f["conv_kernel_size"], d // f["conv_group_size"], f["selector_rank"]
+    s = {"candidate_selector.hidden_projection.weight": (r, d),
+         "candidate_selector.predecessor_codebook.weight": (V, r),
+         "candidate_selector.successor_codebook.weight": (V, r)}
+    for i in range(dcfg.num_hidden_layers):
+        for c in ("attention_conv", "mlp_conv"):
+            s[f"layers.{i}.{c}.base_kernel"] = (2, k, d)
+            s[f"layers.{i}.{c}.kernel_projection.weight"] = (2 * k * groups, d)
+    return s

@@ -1,4 +1,5 @@
-"""Model configurations parsed from Hugging Face / DeepSpec / z-lab `config.json` files (DESIGN §3).
+"""Target model configurations parsed from Hugging Face `config.json` files (DESIGN §3), and the
+field readers the drafter configurations share (drafter_config.py).
 
 Every problem is a CheckpointError whose message names the file and the field, raised before any
 weight is read.
@@ -7,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 
-__all__ = ["CheckpointError", "TargetConfig", "DrafterConfig", "read_json"]
+__all__ = ["CheckpointError", "TargetConfig", "read_json"]
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")  # markov_head_type values; "none" means markov_rank 0
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -62,8 +63,9 @@ def _token_ids(v, src, key):
     return v
 
 
-def _parse_rope(d, src):
-    """Returns (rope_theta, rope_scaling) with rope_scaling None for plain RoPE."""
+def _parse_rope(d, src, drafter=False):
+    """Returns (rope_theta, rope_scaling) with rope_scaling None for plain RoPE. Drafter layers
+    also take YaRN (the drafter builds its own rotary, models/drafter.py)."""
     theta = d.get("rope_theta")
     scaling = d.get("rope_scaling")
     params = d.get("rope_parameters")  # transformers >= 5 writes everything here
@@ -81,14 +83,22 @@ def _parse_rope(d, src):
     if not isinstance(scaling, dict):
         raise CheckpointError(f"{src}: field 'rope_scaling' must be an object or null, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    allowed = ROPE_TYPES + (("yarn",) if drafter else ())
+    if kind not in allowed:
         raise CheckpointError(f"{src}: rope_scaling type {kind!r} is not supported "
-                              f"(supported: {', '.join(ROPE_TYPES)})")
+                              f"(supported: {', '.join(allowed)})")
     if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError(f"{src}: field 'partial_rotary_factor' != 1 is not supported")
     if kind == "default":
         return theta, None
     out = {"rope_type": kind, "factor": _get(scaling, "factor", src, float, min_value=1e-9)}
+    if kind == "yarn":  # fields and defaults of transformers' _compute_yarn_parameters
+        out["original_max_position_embeddings"] = _get(
+            scaling, "original_max_position_embeddings", src, int, min_value=1)
+        for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", None),
+                             ("mscale", None), ("mscale_all_dim", None)):
+            out[key] = _get(scaling, key, src, float, default)
+        out["truncate"] = _get(scaling, "truncate", src, bool, True)
     if kind == "llama3":
         out["low_freq_factor"] = _get(scaling, "low_freq_factor", src, float)
         out["high_freq_factor"] = _get(scaling, "high_freq_factor", src, float)
@@ -146,7 +156,8 @@ class TargetConfig:
         return cls.from_dict(read_json(src), src)
 
     @classmethod
-    def from_dict(cls, d: dict, src: str = "config.json", arch: str | None = None) -> "TargetConfig":
+    def from_dict(cls, d: dict, src: str = "config.json", arch: str | None = None,
+                  drafter: bool = False) -> "TargetConfig":
         arch = arch or _arch(d, src)
         hidden = _get(d, "hidden_size", src, int, min_value=1)
         heads = _get(d, "num_attention_heads", src, int, min_value=1)
@@ -171,7 +182,7 @@ class TargetConfig:
         if "sliding_attention" in (d.get("layer_types") or []):
             raise CheckpointError(f"{src}: field 'layer_types' has sliding_attention layers, "
                                   "which are not supported")
-        theta, scaling = _parse_rope(d, src)
+        theta, scaling = _parse_rope(d, src, drafter)
         return cls(
             source=src, arch=arch, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -184,123 +195,6 @@ class TargetConfig:
             bos_token_id=_token_ids(d.get("bos_token_id"), src, "bos_token_id"),
             eos_token_id=_token_ids(d.get("eos_token_id"), src, "eos_token_id"),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"))
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """A DeepSpec DSpark/DFlash drafter (`format="deepspec"`) or a z-lab DFlash one (`"zlab"`)."""
-    source: str
-    format: str
-    model: TargetConfig  # the drafter's own decoder layers (Qwen3 layers, q/k norms)
-    block_size: int
-    target_layer_ids: tuple
-    mask_token_id: int
-    num_target_layers: int | None  # z-lab configs do not carry it
-    markov_rank: int = 0
-    head: str = "none"  # "none" | "vanilla" | "gated" | "rnn"
-    confidence: bool = False
-    confidence_markov: bool = False
-
-    @property
-    def layout(self) -> str:
-        return "anchor_first" if self.format == "deepspec" else "one_plus_n"
-
-    @property
-    def gamma(self) -> int:
-        """Drafts per round: anchor-first blocks predict from every slot, 1+N blocks skip slot 0."""
-        return self.block_size if self.layout == "anchor_first" else self.block_size - 1
-
-    # the drafter's own layer shapes, read through (for sizing its KV cache)
-    hidden_size = property(lambda self: self.model.hidden_size)
-    vocab_size = property(lambda self: self.model.vocab_size)
-    num_hidden_layers = property(lambda self: self.model.num_hidden_layers)
-    num_attention_heads = property(lambda self: self.model.num_attention_heads)
-    num_key_value_heads = property(lambda self: self.model.num_key_value_heads)
-    head_dim = property(lambda self: self.model.head_dim)
-
-    @classmethod
-    def from_json(cls, path: str) -> "DrafterConfig":
-        src = _config_path(path)
-        return cls.from_dict(read_json(src), src)
-
-    @classmethod
-    def from_dict(cls, d: dict, src: str = "config.json") -> "DrafterConfig":
-        archs = d.get("architectures") or []
-        if "Qwen3DSparkModel" in archs:
-            return cls._deepspec(d, src)
-        if "DFlashDraftModel" in archs or (not archs and "dflash_config" in d):
-            return cls._zlab(d, src)
-        raise CheckpointError(f"{src}: field 'architectures' = {archs!r} names no supported drafter "
-                              "(Qwen3DSparkModel, DFlashDraftModel)")
-
-    @classmethod
-    def _deepspec(cls, d, src):
-        model = TargetConfig.from_dict(d, src, arch="qwen3")
-        n_target = _get(d, "num_target_layers", src, int, min_value=1)
-        rank = _get(d, "markov_rank", src, int, min_value=0)
-        head = "none"
-        if rank > 0:
-            head = d.get("markov_head_type", _REQUIRED)
-            if head is _REQUIRED:
-                raise CheckpointError(f"{src}: required field 'markov_head_type' is missing "
-                                      f"(markov_rank={rank})")
-            if head not in HEAD_TYPES:
-                raise CheckpointError(f"{src}: field 'markov_head_type' = {head!r} is not a known "
-                                      f"head type ({', '.join(HEAD_TYPES)})")
-        conf = _get(d, "enable_confidence_head", src, bool)
-        conf_markov = _get(d, "confidence_head_with_markov", src, bool) if conf else False
-        if conf_markov and rank == 0:
-            raise CheckpointError(f"{src}: field 'confidence_head_with_markov' is true but "
-                                  "markov_rank is 0")
-        out = cls(source=src, format="deepspec", model=model,
-                  block_size=_get(d, "block_size", src, int, min_value=1),
-                  target_layer_ids=_layer_ids(d.get("target_layer_ids"), src, "target_layer_ids"),
-                  mask_token_id=_get(d, "mask_token_id", src, int, min_value=0),
-                  num_target_layers=n_target, markov_rank=rank, head=head, confidence=conf,
-                  confidence_markov=conf_markov)
-        out._check_ranges(n_target)
-        return out
-
-    @classmethod
-    def _zlab(cls, d, src):
-        model = TargetConfig.from_dict(d, src, arch="qwen3")
-        dc = d.get("dflash_config")
-        if not isinstance(dc, dict):
-            raise CheckpointError(f"{src}: required field 'dflash_config' is missing")
-        block = d.get("block_size", dc.get("block_size"))
-        out = cls(source=src, format="zlab", model=model,
-                  block_size=_get({"block_size": block}, "block_size", src, int, min_value=2),
-                  target_layer_ids=_layer_ids(dc.get("target_layer_ids"), src,
-                                              "dflash_config.target_layer_ids"),
-                  mask_token_id=_get(dc, "mask_token_id", src, int, min_value=0),
-                  num_target_layers=d.get("num_target_layers"))
-        if out.num_target_layers is not None:
-            out._check_ranges(_get(d, "num_target_layers", src, int, min_value=1))
-        return out
-
-    def _check_ranges(self, n_target: int):
-        for lid in self.target_layer_ids:
-            if not -1 <= lid < n_target - 1:
-                raise CheckpointError(
-                    f"{self.source}: field 'target_layer_ids' has layer id {lid} out of range: "
-                    f"ids must satisfy -1 <= id < {n_target - 1} (num_target_layers={n_target}; "
-                    "-1 is the embedding output, the final layer is not allowed)")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise CheckpointError(f"{self.source}: field 'mask_token_id' = {self.mask_token_id} "
-                                  f"is outside the vocabulary (vocab_size={self.vocab_size})")
-
-    def check_target(self, target: TargetConfig):
-        """Cross-checks against the target the drafter will run with."""
-        for key in ("vocab_size", "hidden_size"):
-            mine, theirs = getattr(self.model, key), getattr(target, key)
-            if mine != theirs:
-                raise CheckpointError(f"{self.source}: field '{key}' = {mine} does not match the "
-                                      f"target's {key} = {theirs} ({target.source})")
-        if self.num_target_layers is not None and self.num_target_layers != target.num_hidden_layers:
-            raise CheckpointError(
-                f"{self.source}: field 'num_target_layers' = {self.num_target_layers} does not match "
-                f"the target's num_hidden_layers = {target.num_hidden_layers} ({target.source})")
-        self._check_ranges(target.num_hidden_layers)
 
 
 def _layer_ids(v, src, key):
