@@ -23,13 +23,6 @@ from .sampling_params import SamplingParams
 from .checkpoint.tokenizer import Tokenizer
 
 
-def _dtype(dtype, device: torch.device) -> torch.dtype:
-    """"auto" / None: bfloat16 on CUDA, float32 elsewhere; else a dtype or its name."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return resolve_dtype(dtype)
-
-
 def _calibration(calibration) -> Calibration | None:
     if isinstance(calibration, (str, Path)):
         from .policies.sts import read_temperatures
@@ -105,9 +98,10 @@ class Decoder:
             kwargs["calibration"] = None
         elif cal is None and drafter is not None and (Path(drafter) / CALIBRATION_FILE).is_file():
             kwargs["calibration"] = Path(drafter) / CALIBRATION_FILE
-        dt = _dtype(dtype, device)
+        # "auto": the checkpoint's half dtype on a GPU, float32 on the CPU (models.qwen3.pick_dtype)
+        dt = None if dtype is None or (isinstance(dtype, str) and dtype == "auto") else resolve_dtype(dtype)
         tgt = Qwen3Model.from_pretrained(target, dtype=dt, device=device)
-        drf = Drafter.from_pretrained(drafter, tgt, dtype=dt, device=device) if drafter else None
+        drf = Drafter.from_pretrained(drafter, tgt, dtype=tgt.dtype, device=device) if drafter else None
         tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
         shipped = cal is None and kwargs.get("calibration") is None and drf is not None and \
             getattr(drf, "sts_temperatures", None)

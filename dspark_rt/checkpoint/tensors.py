@@ -18,11 +18,13 @@ __all__ = ["Checkpoint", "resolve_dtype", "layer_specs", "target_specs", "drafte
            "drafter_aliases"]
 
 INDEX_FILE = "model.safetensors.index.json"
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+# The runtime's one table of float dtypes: by name (users, CLI) and by safetensors code (files).
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16}
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 Spec = dict  # tensor name -> expected shape tuple
@@ -30,10 +32,10 @@ Spec = dict  # tensor name -> expected shape tuple
 
 def resolve_dtype(dtype) -> torch.dtype:
     """torch.dtype or a name ("bfloat16", "bf16", "float32", ...) -> a floating torch.dtype."""
-    if isinstance(dtype, torch.dtype) and dtype in set(_DTYPES.values()):
+    if isinstance(dtype, torch.dtype) and dtype in set(DTYPE_NAMES.values()):
         return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
     raise ValueError(f"dtype must be one of float32, float16, bfloat16, float64, got {dtype!r}")
 
 
@@ -99,9 +101,9 @@ class Checkpoint:
             if got != tuple(shape):
                 raise CheckpointError(f"{fpath}: tensor '{name}' has shape {got}, expected "
                                       f"{tuple(shape)}")
-            if dt not in _FLOAT_DTYPES:
+            if dt not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"{fpath}: tensor '{name}' has dtype {dt}, expected a float "
-                                      f"dtype ({', '.join(_FLOAT_DTYPES)})")
+                                      f"dtype ({', '.join(SAFETENSORS_DTYPES)})")
         for name, (fpath, *_) in self.entries.items():
             m = _LAYER_RE.match(name)
             if m and int(m.group(1)) >= num_layers:

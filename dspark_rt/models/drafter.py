@@ -13,7 +13,8 @@ import math
 import torch
 from torch import nn
 
-from ..checkpoint.tensors import Checkpoint, dflash2_specs, drafter_aliases, drafter_specs, resolve_dtype
+from ..checkpoint.tensors import (SAFETENSORS_DTYPES, Checkpoint, dflash2_specs, drafter_aliases,
+                                  drafter_specs, resolve_dtype)
 from ..checkpoint.drafter_config import DrafterConfig
 from ..checkpoint.drafter_tensors import adapt
 from .kv_cache import PagedKVCache
@@ -21,9 +22,6 @@ from .batch import AttnMeta
 from .qwen3 import DecoderLayer, Qwen3Model, RMSNorm, Rotary, acc_dtype, build
 
 __all__ = ["Drafter"]
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-              "BF16": torch.bfloat16}
 
 # file name -> attribute; the runtime passes these straight to ops.markov_sample
 _HEAD_TENSORS = {"markov_head.markov_w1.weight": "w1", "markov_head.markov_w2.weight": "w2",
@@ -73,7 +71,7 @@ class Drafter(nn.Module):
                 if int(t2d.sum()) != len(d2t) or not bool(t2d[ids.clamp(0, len(t2d) - 1)].all()):
                     raise dcfg_error(dcfg, "tensors 't2d' and 'd2t' disagree on the draft "
                                      f"vocabulary (draft_vocab_size={dcfg.draft_vocab_size})")
-        stored = {n: _ST_DTYPES[ckpt.entries[n][2]] for n in ("embed_tokens.weight", "lm_head.weight")
+        stored = {n: SAFETENSORS_DTYPES[ckpt.entries[n][2]] for n in ("embed_tokens.weight", "lm_head.weight")
                   if n in ckpt.entries}
         dcfg, tensors = adapt(dcfg, ckpt.load(names, dtype, device), target, d2t, ckpt.index_file,
                               stored)

@@ -10,6 +10,8 @@ import json
 import logging
 from pathlib import Path
 
+from ..checkpoint.tensors import DTYPE_NAMES
+
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +91,7 @@ def fit_length(decoder, max_tokens: int) -> int:
 
 # -- command-line arguments shared by `dspark-rt calibrate | profile | eval` -------------------
 
-DTYPES = ["auto", "float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16", "fp64"]
+DTYPES = ["auto", *DTYPE_NAMES]  # auto: the checkpoint's half dtype on a GPU, float32 on the CPU
 
 
 def model_dir(path):
