@@ -21,8 +21,8 @@ from dspark_rt.checkpoint.tensors import Checkpoint
 from dspark_rt.checkpoint.config import CheckpointError
 from dspark_rt.checkpoint.drafter_config import DrafterConfig
 from dspark_rt.models.drafter import Drafter
-from dspark_rt.policy import ThresholdPolicy
-from dspark_rt.sts import read_temperatures
+from dspark_rt.policies import ThresholdPolicy
+from dspark_rt.policies.sts import read_temperatures
 from tests import packagings as pk
 from tests.test_lossless import DRAFTERS, PROMPTS, TARGET
 

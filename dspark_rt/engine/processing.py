@@ -11,7 +11,7 @@ from .request import Request
 
 
 class Processor:
-    """tokenizer: a dspark_rt.tokenizer.Tokenizer or None (token-id prompts only); vocab_size,
+    """tokenizer: a dspark_rt.checkpoint.tokenizer.Tokenizer or None (token-id prompts only); vocab_size,
     max_model_len and eos_token_ids: the target's; gamma: drafts per round (metrics)."""
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_ids,

@@ -15,7 +15,7 @@ __all__ = ["SchedRequest", "PrefillChunk", "SchedulerOutput", "RequestScheduler"
 
 @dataclass(eq=False)  # identity: two requests are never "equal"
 class SchedRequest:
-    """The fields the scheduler uses (dspark_rt.request.Request has them too; max_tokens may
+    """The fields the scheduler uses (dspark_rt.engine.request.Request has them too; max_tokens may
     instead be params.max_tokens).
 
     The engine appends committed tokens to output_ids and reports progress through

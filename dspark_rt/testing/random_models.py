@@ -2,7 +2,7 @@
 
 Nothing can be downloaded where the benchmarks run, so system throughput at Qwen3-8B scale is
 measured on random weights of Qwen3-8B's exact shapes (with synthetic acceptance, see
-dspark_rt.synthetic). Weights are N(0, 0.02^2), norm weights 1; generated on the device, so an
+dspark_rt.testing.synthetic). Weights are N(0, 0.02^2), norm weights 1; generated on the device, so an
 8B model costs seconds, not minutes of host init.
 """
 import torch
