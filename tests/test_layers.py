@@ -111,3 +111,12 @@ def test_the_checker_sees_a_bad_import(monkeypatch):
             assert "ops" in str(e)
         else:
             raise AssertionError(f"{check.__name__} missed ops -> engine.engine")
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages by hand: a package missing there is missing from a
+    non-editable install (the GPU scripts install that way)."""
+    import tomllib
+    listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("dspark_rt",) + p.parent.relative_to(PKG).parts) for p in PKG.rglob("__init__.py")}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
