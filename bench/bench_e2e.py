@@ -83,7 +83,7 @@ class Models:
     def _profile(self, policy):
         """One SPS(B) for sync, async and auto (a round's cost does not depend on acceptance),
         covering the largest batch of the run, measured or the cached one for this machine;
-        auto also gets the profile of plain rounds."""
+        auto also gets the profiles of plain rounds and of rounds that verify no draft."""
         if self._sps is None:
             from dspark_rt.runner import Runner
             from dspark_rt.runner.profiling import load_or_profile
@@ -94,8 +94,10 @@ class Models:
                 target, drafter = probe.target, probe.drafter
             kw = dict(seconds=self.args.profile_seconds, max_batch=max(self.args.batch),
                       context_len=self.args.prompt_len if self.random else None, progress=False)
-            self._sps = (load_or_profile(Runner(target, drafter, "dspark", 16, self.device), **kw),
-                         load_or_profile(Runner(target, None, "ar", 16, self.device), **kw))
+            spec = Runner(target, drafter, "dspark", 16, self.device)
+            self._sps = (load_or_profile(spec, **kw),
+                         load_or_profile(Runner(target, None, "ar", 16, self.device), **kw),
+                         load_or_profile(spec, shape="no_drafts", **kw))
         return self._sps if policy == "auto" else self._sps[0]
 
 

@@ -71,12 +71,14 @@ class Decoder:
 
     def _policy(self, policy, threshold, sps):
         """sync / async: sps= or this machine's profile of speculative rounds; auto also needs
-        the profile of plain rounds (sps=(speculative, plain), either None to measure it)."""
+        the profiles of plain rounds and of rounds that draft but verify nothing
+        (sps=(speculative, plain, drafting), any of them None to measure it)."""
         if policy not in ("sync", "async", "auto"):
             return make_policy(policy, **({"threshold": threshold} if policy == "threshold" else {}))
         if not self.runner.has_confidence:
             raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
-        spec, plain = (tuple(sps) if isinstance(sps, (tuple, list)) else (sps, None))
+        spec, plain, drafting = (tuple(sps) + (None,) * 3)[:3] if isinstance(sps, (tuple, list)) \
+            else (sps, None, None)
         from .runner.profiling import load_or_profile  # measures real rounds of this machine
         if spec is None:
             spec = load_or_profile(self.runner)
@@ -84,7 +86,9 @@ class Decoder:
             return make_policy(policy, sps=spec)
         if plain is None:
             plain = load_or_profile(Runner(self.target, None, "ar", self.runner.page_size, self.device))
-        return make_policy(policy, sps=spec, plain=plain)
+        if drafting is None:
+            drafting = load_or_profile(self.runner, shape="no_drafts")
+        return make_policy(policy, sps=spec, plain=plain, drafting=drafting)
 
     @classmethod
     def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):

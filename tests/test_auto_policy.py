@@ -1,6 +1,7 @@
 """policy="auto": per round, a plain round or a speculative one, whichever the machine's profiles
 say pays (dspark_rt/policies/auto.py). Greedy output stays plain decoding's while it switches;
 the sampled law is checked in tests/test_lossless_sampling.py (case dspark-auto)."""
+import numpy as np
 import pytest
 import torch
 
@@ -69,3 +70,19 @@ def test_bad_arguments():
         AutoPolicy(SPEC, SPEC, decay=1.0)
     with pytest.raises(ValueError, match="explore_every"):
         AutoPolicy(SPEC, SPEC, explore_every=-1)
+
+
+def test_drafting_cost_of_many_requests_is_counted():
+    """With the profile of rounds that draft but verify nothing, a batch whose drafting costs
+    more than its drafts can return decodes plainly, although sps(B) alone (measured on fewer
+    requests per B) would say drafting pays; a single request still drafts."""
+    plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])      # plain rounds of B tokens
+    sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])         # R = ceil(B / 8) requests
+    drafting = SPSProfile([1, 8, 32], [80.0, 15.0, 5.0])               # R requests, no drafts
+    estimate = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    decide = lambda pol, R: pol._decide([7] * R, 7)
+    naive, costed = AutoPolicy(sps, plain), AutoPolicy(sps, plain, drafting)
+    for pol in (naive, costed):
+        pol.estimate = np.array(estimate)
+    assert decide(naive, 8) and not decide(costed, 8)   # 8 x 8 tokens of drafting does not pay
+    assert decide(costed, 1)                             # one request: 1 + 4.2 tokens for ~1.6x

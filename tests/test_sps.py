@@ -212,3 +212,15 @@ def test_measure_profile_on_fake_step(monkeypatch):
     assert calls.count(64) >= 2 + 3
     p = measure_profile(lambda B: None, [1, 2], seconds_budget=0.0, progress=True)
     assert p.tokens == [1, 2]
+
+
+def test_monotone_fit_irons_out_dips():
+    from dspark_rt.policies.sps import SPSProfile
+    p = SPSProfile([1, 2, 4, 8, 16], [100.0, 50.0, 80.0, 40.0, 45.0]).monotone()
+    seconds = [1 / v for v in p.rounds_per_s]
+    assert all(a <= b + 1e-15 for a, b in zip(seconds, seconds[1:]))
+    assert p.rounds_per_s[0] == 100.0 and p.tokens == [1, 2, 4, 8, 16]
+    # pooled where the measurement dipped: 2 and 4 share their mean seconds
+    assert abs(seconds[1] - (1 / 50 + 1 / 80) / 2) < 1e-15 and seconds[1] == seconds[2]
+    already = SPSProfile([1, 2, 3], [9.0, 8.0, 7.0])
+    assert already.monotone().rounds_per_s == already.rounds_per_s

@@ -4,9 +4,15 @@ Algorithm 1 (sync) only chooses verify lengths: the drafter and the heads run ev
 when no draft pays. AutoPolicy decides before drafting, from earlier rounds only, between
 
     plain round        R tokens                        at plain(R) rounds/s (target alone)
-    speculative round  R + sum of admitted survivals   at sps(R + n) rounds/s (n drafts verified)
+    speculative round  R + sum of admitted survivals   in 1/drafting(R) + t(R + n) - t(R) s
+                                                       (n drafts verified; t(B) = 1/plain(B))
 
-where the survivals of the coming round are estimated per draft position from the calibrated
+drafting(R): rounds/s of speculative rounds of R requests that verify nothing (the profile of
+shape "no_drafts": the drafter, the heads and one verify token each); the verify forward's
+growth with n comes from the plain profile (linear beyond its last point). Without that profile
+the speculative side is priced by sps(R + n), which on most machines undercounts the cost of
+drafting for many requests (sps is measured with R = ceil(B / (gamma + 1))). The survivals of
+the coming round are estimated per draft position from the calibrated
 survivals of past rounds (an exponential average), and the speculative side takes the best n
 (Algorithm 1's objective, with the estimates for every request). A speculative round then
 chooses its lengths with Algorithm 1 on its own confidences (SyncScheduler).
@@ -22,15 +28,19 @@ from .prefix import SyncScheduler, _as_profile
 
 class AutoPolicy(SyncScheduler):
     """sps: rounds/s of speculative rounds against verify tokens B (as sync); plain: rounds/s of
-    plain rounds against R (an SPSProfile of mode "ar" rounds, or its path). decay: weight of
-    the old estimate per observed round; explore_every: speculate at least once in this many
-    rounds (0: never force)."""
+    plain rounds against R (an SPSProfile of mode "ar" rounds, or its path); drafting: rounds/s
+    of speculative rounds of R requests verifying no draft (shape "no_drafts"), or None. decay:
+    weight of the old estimate per observed round; explore_every: speculate at least once in this
+    many rounds (0: never force)."""
     name = "auto"
 
-    def __init__(self, sps, plain, *, decay: float = 0.8, explore_every: int = 16,
+    def __init__(self, sps, plain, drafting=None, *, decay: float = 0.8, explore_every: int = 16,
                  max_tokens: int | None = None):
-        super().__init__(sps, max_tokens)
-        self.plain = _as_profile(plain)
+        # every profile is read through its monotone fit: measured costs are noisy, true ones
+        # never fall with the round's size
+        super().__init__(_as_profile(sps).monotone(), max_tokens)
+        self.plain = _as_profile(plain).monotone()
+        self.drafting = None if drafting is None else _as_profile(drafting).monotone()
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay!r}")
         if explore_every < 0:
@@ -58,8 +68,23 @@ class AutoPolicy(SyncScheduler):
                      self.estimate[None, :gamma], -np.inf)
         flat = a.ravel()
         sorted_a = -np.sort(-flat[np.isfinite(flat)])
-        theta_spec = float(self._theta(R, sorted_a).max())
+        if self.drafting is None or R > self.drafting.max_tokens:
+            theta_spec = float(self._theta(R, sorted_a).max())
+        else:
+            n = np.arange(min(len(sorted_a), self.max_tokens - R) + 1)
+            tokens = R + np.concatenate([[0.0], np.cumsum(sorted_a[: len(n) - 1])])
+            seconds = 1.0 / float(self.drafting(R)) + self._verify_s(R + n) - self._verify_s(R)
+            theta_spec = float((tokens / seconds).max())
         return theta_spec > R * float(self.plain(R))
+
+    def _verify_s(self, B):
+        """Seconds of a plain round of B tokens, linear beyond the plain profile's last point."""
+        B = np.asarray(B)
+        M = self.plain.max_tokens
+        t = 1.0 / np.asarray(self.plain(np.minimum(B, M)), dtype=np.float64)
+        lo = max(1, M // 2)
+        slope = (1.0 / self.plain(M) - 1.0 / self.plain(lo)) / (M - lo) if M > lo else 0.0
+        return t + np.maximum(B - M, 0) * max(slope, 0.0)
 
     def lengths(self, c_hat, survival, cap, gamma):
         a = survival[:, :gamma].detach().to("cpu").double().numpy()

@@ -92,6 +92,19 @@ class SPSProfile:
         out = self.dense()[arr]
         return float(out) if out.ndim == 0 else out
 
+    def monotone(self) -> "SPSProfile":
+        """The closest profile (least squares in seconds per round, pool-adjacent violators)
+        whose seconds per round never fall as B grows: a bigger round never costs less, so a dip
+        in a noisy measurement is noise, and a scheduler's early stop must not trip on it."""
+        blocks = []  # [mean seconds, count], non-decreasing means
+        for t in (1.0 / v for v in self.rounds_per_s):
+            blocks.append([t, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (a, n), (b, m) = blocks[-2], blocks.pop()
+                blocks[-1] = [(a * n + b * m) / (n + m), n + m]
+        seconds = [t for t, n in blocks for _ in range(n)]
+        return SPSProfile(self.tokens, [1.0 / t for t in seconds], dict(self.key), self.interp)
+
     def scaled(self, factor: float) -> "SPSProfile":
         return SPSProfile(self.tokens, [v * factor for v in self.rounds_per_s], dict(self.key),
                           self.interp)

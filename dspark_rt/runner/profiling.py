@@ -60,13 +60,18 @@ def _config_id(cfg) -> str:
     return f"{src.parent.name}@{hashlib.sha256(data).hexdigest()[:12]}"
 
 
-def model_identity(runner: Runner, context_len: int) -> str:
-    """What the profile's rounds ran: target and drafter (name + config hash), mode, the pool's
-    context length and, on CPU, the host (a CPU profile has no NVML identity to key on)."""
+SHAPES = ("spread", "no_drafts")
+
+
+def model_identity(runner: Runner, context_len: int, shape: str = "spread") -> str:
+    """What the profile's rounds ran: target and drafter (name + config hash), mode, the round
+    shape, the pool's context length and, on CPU, the host (a CPU profile has no NVML identity to
+    key on)."""
     parts = [_config_id(runner.target.config)]
     if runner.drafter is not None:
         parts.append(_config_id(runner.drafter.config))
-    s = "+".join(parts) + f"/{'ar' if runner.mode == 'ar' else 'dspark'}/ctx{context_len}"
+    mode = "ar" if runner.mode == "ar" else "dspark" if shape == "spread" else "dspark-no-drafts"
+    s = "+".join(parts) + f"/{mode}/ctx{context_len}"
     if runner.device.type != "cuda":
         s += f"/cpu:{platform.machine()}x{os.cpu_count()}"
     return s
@@ -91,14 +96,20 @@ class _FixedLengths(VerifyPolicy):
 
 class RoundWorkload:
     """A pool of prefilled synthetic requests and `step(B)`: one real round with B verify tokens,
-    on a Runner of its own over `runner`'s models (the engine's caches are untouched)."""
+    on a Runner of its own over `runner`'s models (the engine's caches are untouched).
+    shape "spread": R = ceil(B / (gamma + 1)) requests share B - R drafts; "no_drafts": B
+    requests that draft and verify none (the cost of drafting for B requests, AutoPolicy)."""
 
-    def __init__(self, runner: Runner, max_batch: int, context_len: int, seed: int = 0):
+    def __init__(self, runner: Runner, max_batch: int, context_len: int, seed: int = 0,
+                 shape: str = "spread"):
+        if shape not in SHAPES:
+            raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
+        self.shape = shape
         mode = "ar" if runner.mode == "ar" else "dspark"
         self.runner = r = Runner(runner.target, runner.drafter, mode, runner.page_size, runner.device)
         self.policy, self.calibration, self.round = _FixedLengths(), Calibration.identity(max(r.gamma, 1)), Round()
         self.gamma = gamma = r.gamma
-        self.max_tokens = max_batch * (gamma + 1)
+        self.max_tokens = max_batch * (gamma + 1) if shape == "spread" else max_batch
         self.sync = torch.cuda.synchronize if r.device.type == "cuda" else None
         V = r.target.config.vocab_size
         g = torch.Generator().manual_seed(seed)
@@ -124,7 +135,7 @@ class RoundWorkload:
     def step(self, B: int):
         if not 1 <= B <= self.max_tokens:
             raise ValueError(f"B must lie in [1, {self.max_tokens}], got {B}")
-        R = -(-B // (self.gamma + 1))
+        R = -(-B // (self.gamma + 1)) if self.shape == "spread" else B
         base, rem = divmod(B - R, R)
         self.policy.next = torch.tensor([base + (i < rem) for i in range(R)], dtype=torch.int64)
         self.round(self.runner, self.batch.select(list(range(R))), self.policy, self.calibration)
@@ -146,25 +157,28 @@ def _resolve(runner: Runner, seconds, max_batch, context_len):
     return seconds, max_batch, context_len
 
 
-def runner_key(runner: Runner, *, max_batch: int | None = None, context_len: int | None = None) -> dict:
+def runner_key(runner: Runner, *, max_batch: int | None = None, context_len: int | None = None,
+               shape: str = "spread") -> dict:
     """The profile_key a profile of this runner's model pair measured now would carry."""
     _, max_batch, context_len = _resolve(runner, 1.0, max_batch, context_len)
     dtype = str(runner.target.dtype).removeprefix("torch.")
-    return profile_key(model_identity(runner, context_len), dtype, max_batch=max_batch,
-                       max_tokens=max_batch * (runner.gamma + 1), gpu=_gpu(runner.device))
+    per = runner.gamma + 1 if shape == "spread" else 1
+    return profile_key(model_identity(runner, context_len, shape), dtype, max_batch=max_batch,
+                       max_tokens=max_batch * per, gpu=_gpu(runner.device))
 
 
 def profile_runner(runner: Runner, B_values=None, seconds: float | None = None,
                    context_len: int | None = None, max_batch: int | None = None,
-                   progress: bool = True) -> SPSProfile:
-    """Measure SPS(B) of rounds of this runner's model pair (see the module docstring).
+                   progress: bool = True, shape: str = "spread") -> SPSProfile:
+    """Measure SPS(B) of rounds of this runner's model pair (see the module docstring; shape:
+    RoundWorkload's).
 
     Defaults: 30 s, 32 requests of 1024 context tokens on CUDA; 3 s, 8 requests of 128 on CPU
     (context_len is clamped to the model's context). B_values default to default_B_values of
     max_batch * (gamma + 1), which is the profile's max_tokens."""
     seconds, max_batch, context_len = _resolve(runner, seconds, max_batch, context_len)
-    key = runner_key(runner, max_batch=max_batch, context_len=context_len)
-    work = RoundWorkload(runner, max_batch, context_len)
+    key = runner_key(runner, max_batch=max_batch, context_len=context_len, shape=shape)
+    work = RoundWorkload(runner, max_batch, context_len, shape=shape)
     try:
         B_values = default_B_values(work.max_tokens) if B_values is None else list(B_values)
         bad = [b for b in B_values if not 1 <= int(b) <= work.max_tokens]
@@ -186,10 +200,10 @@ def cache_path(key: dict, cache_dir=None) -> Path:
 
 def load_or_profile(runner: Runner, cache_dir=None, *, B_values=None, seconds: float | None = None,
                     context_len: int | None = None, max_batch: int | None = None,
-                    progress: bool = True) -> SPSProfile:
+                    progress: bool = True, shape: str = "spread") -> SPSProfile:
     """A cached profile valid for this model pair on this machine now (sps.check_profile:
     identity, SM clock, throttling), else a fresh profile_runner measurement, saved to the cache."""
-    key = runner_key(runner, max_batch=max_batch, context_len=context_len)
+    key = runner_key(runner, max_batch=max_batch, context_len=context_len, shape=shape)
     path = cache_path(key, cache_dir)
     if path.is_file():
         try:
@@ -202,7 +216,7 @@ def load_or_profile(runner: Runner, cache_dir=None, *, B_values=None, seconds: f
                 log.info("SPS profile: reusing %s", path)
                 return chk.profile
             log.warning("SPS profile %s: re-profiling (%s)", path, "; ".join(chk.reasons))
-    prof = profile_runner(runner, B_values, seconds, context_len, max_batch, progress)
+    prof = profile_runner(runner, B_values, seconds, context_len, max_batch, progress, shape)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.save(path)
     log.info("SPS profile saved to %s", path)
