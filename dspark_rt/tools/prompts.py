@@ -116,7 +116,7 @@ def positive(kind):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a valid {kind.__name__}") from None
         if not 0 < v < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+            raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {s}")
         return v
     return parse
 
