@@ -18,7 +18,7 @@ from .engine.engine import Engine
 from .models.drafter import Drafter
 from .models.qwen3 import Qwen3Model
 from .outputs import RequestOutput
-from .policies import Calibration, make_policy
+from .policies import POLICIES, Calibration, make_policy
 from .runner.runner import MODES, Runner
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -101,10 +101,13 @@ class Decoder:
                              f"{tokenizer.vocab_size} tokens, more than the target's vocab_size "
                              f"{target.config.vocab_size}: its ids would index past the embedding")
         self.runner = Runner(target, drafter, mode, page_size, self.device)
-        chosen = make_policy(policy, **({"threshold": threshold} if policy == "threshold" else {})) \
-            if policy not in ("sync", "async") else None
-        if mode != "ar" and (chosen is None or chosen.needs_confidence) and not self.runner.has_confidence:
-            raise ValueError(f"policy {getattr(chosen, 'name', policy)!r} needs a drafter with a "
+        if isinstance(policy, str) and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)} or a VerifyPolicy, got {policy!r}")
+        needs_confidence = POLICIES[policy].needs_confidence if isinstance(policy, str) \
+            else getattr(policy, "needs_confidence", False)
+        if mode != "ar" and needs_confidence and not self.runner.has_confidence:
+            # it would silently run as "fixed"
+            raise ValueError(f"policy {getattr(policy, 'name', policy)!r} needs a drafter with a "
                              f"confidence head in dspark mode; this one (mode {mode!r}) has none: "
                              "use policy='fixed'")
         self.policy = self._policy(policy, threshold, sps) if mode == "dspark" else make_policy("fixed")
