@@ -34,7 +34,16 @@ def main(argv=None):
         env_main(args.json)
     elif args.cmd == "demo":
         from .tools.demo import main as demo_main
-        summary = demo_main(args.out, quick=args.quick, as_json=args.json, device=args.device)
+        if not (args.device == "cpu" or args.device.startswith("cuda")):
+            p_demo.error(f"argument --device: must be cpu or cuda[:N], got {args.device!r}")
+        if args.device.startswith("cuda"):
+            import torch
+            if not torch.cuda.is_available():
+                p_demo.error(f"argument --device: {args.device!r} but torch sees no CUDA device")
+        try:
+            summary = demo_main(args.out, quick=args.quick, as_json=args.json, device=args.device)
+        except (ValueError, OSError, RuntimeError) as e:  # a bad folder or setting: one line
+            p_demo.exit(2, f"dspark-rt demo: error: {e}\n")
         wrong = [m for m, r in (summary or {}).get("modes", {}).items() if not r["equals_ar"]]
         if wrong:  # greedy speculative output must equal plain decoding: a failed promise
             print(f"dspark-rt demo: FAILED: {', '.join(wrong)} output differs from plain decoding",

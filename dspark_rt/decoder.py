@@ -5,6 +5,8 @@ loads the models, resolves the mode and the policy (profiling the machine once f
 and sizes the Engine's KV pool to the batches it is given.
 """
 import itertools
+import math
+import numbers
 import threading
 from pathlib import Path
 
@@ -16,23 +18,51 @@ from .engine.engine import Engine
 from .models.drafter import Drafter
 from .models.qwen3 import Qwen3Model
 from .outputs import RequestOutput
-from .policies import Calibration, make_policy
+from .policies import POLICIES, Calibration, make_policy
 from .policies.sts import CALIBRATION_FILE
 from .runner.runner import MODES, Runner
 from .sampling_params import SamplingParams
 from .checkpoint.tokenizer import Tokenizer
 
 
-def _calibration(calibration) -> Calibration | None:
+def _device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: no CUDA device is available here "
+                         "(torch.cuda.is_available() is False); use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    return device
+
+
+def _calibration(calibration, gamma: int) -> Calibration | None:
     if isinstance(calibration, (str, Path)):
         from .policies.sts import read_temperatures
         calibration = read_temperatures(calibration)
     if isinstance(calibration, (list, tuple)):
         calibration = Calibration(list(calibration))
-    if calibration is not None and not isinstance(calibration, Calibration):
+    if calibration is None:
+        return None
+    if not isinstance(calibration, Calibration):
         raise ValueError(f"calibration must be a Calibration or a list of per-position "
                          f"temperatures, got {type(calibration).__name__}")
+    t = calibration.temperatures
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x < math.inf
+               for x in t):
+        raise ValueError(f"calibration temperatures must be finite numbers > 0, got {list(t)}")
+    if len(t) < gamma:
+        raise ValueError(f"calibration has {len(t)} temperatures, the drafter drafts {gamma} "
+                         "positions (one temperature each)")
     return calibration
+
+
+def _seed(seed) -> int:
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return int(seed)
 
 
 class Decoder:
@@ -52,16 +82,33 @@ class Decoder:
     def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
                  mode=None, policy="fixed", threshold=0.5, sps=None, calibration=None,
                  page_size=16, seed=0, device="cpu"):
-        self.device = torch.device(device)
+        self.device = _device(device)
+        seed = _seed(seed)
+        if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or \
+                not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
         if mode is None:
             mode = "ar" if drafter is None else (
                 "dspark" if drafter.head != "none" or drafter.conf_w is not None else "dflash")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.target, self.drafter, self.tokenizer, self.mode = target, drafter, tokenizer, mode
+        if tokenizer is not None and tokenizer.vocab_size > target.config.vocab_size:
+            raise ValueError(f"{getattr(tokenizer, 'path', '')}/tokenizer.json has "
+                             f"{tokenizer.vocab_size} tokens, more than the target's vocab_size "
+                             f"{target.config.vocab_size}: its ids would index past the embedding")
         self.runner = Runner(target, drafter, mode, page_size, self.device)
+        if isinstance(policy, str) and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)} or a VerifyPolicy, got {policy!r}")
+        needs_confidence = POLICIES[policy].needs_confidence if isinstance(policy, str) \
+            else getattr(policy, "needs_confidence", False)
+        if mode != "ar" and needs_confidence and not self.runner.has_confidence:
+            # it would silently run as "fixed"
+            raise ValueError(f"policy {getattr(policy, 'name', policy)!r} needs a drafter with a "
+                             f"confidence head in dspark mode; this one (mode {mode!r}) has none: "
+                             "use policy='fixed'")
         self.policy = self._policy(policy, threshold, sps) if mode == "dspark" else make_policy("fixed")
-        self.calibration = _calibration(calibration)
+        self.calibration = _calibration(calibration, self.runner.gamma)
         self.calibration_source = (str(calibration) if isinstance(calibration, (str, Path)) else
                                    None if calibration is None else "given")
         self.seed = seed
@@ -96,7 +143,7 @@ class Decoder:
         z-lab DFlash folder (or None for plain decoding). Without calibration=, the STS
         temperatures `dspark-rt calibrate` wrote beside the drafter are used when present, else
         those the drafter's config ships (sts_temperatures); calibration="none": uncalibrated."""
-        device = torch.device(device)
+        device = _device(device)
         cal = kwargs.get("calibration")
         if isinstance(cal, str) and cal == "none":
             kwargs["calibration"] = None
@@ -154,10 +201,9 @@ class Decoder:
     def generate(self, prompts, params=None, *, use_tqdm=True) -> list[RequestOutput]:
         """prompts: a str, a list of str, a list of token ids or a list of token-id lists.
         params: one SamplingParams for all, or one per prompt. All requests are checked before
-        any work starts, so a bad request costs the others nothing."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        any work starts, so a bad request costs the others nothing. Safe to call from several
+        threads: their requests share the Engine's rounds."""
+        prompts = _prompt_list(prompts)
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -175,15 +221,19 @@ class Decoder:
         """messages: one conversation [{"role", "content"}, ...] or a list of them."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer in the target folder")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        convs = _conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, params, **kwargs)
 
     def stream(self, prompt, params=None, *, num_pages: int = 512):
         """Yields the request's new tokens round by round (engine.StepOutput: new_token_ids,
         finished, and the full RequestOutput on the last one). Other open streams of this
-        Decoder advance in the same rounds."""
-        req = self.engine.make_request(prompt, params or SamplingParams())
+        Decoder advance in the same rounds. The arguments are checked here, at the call; the
+        request is queued at the first next()."""
+        req = self.engine.make_request(prompt, params if params is not None else SamplingParams())
+        return self._stream(req, num_pages)
+
+    def _stream(self, req, num_pages):
         with self._lock:
             eng = self._sized([req], num_pages)
             eng.add(req)
@@ -191,19 +241,66 @@ class Decoder:
 
     def _sized(self, reqs, min_pages: int = 0) -> Engine:
         """The Engine, its pool resized when idle and too small for these requests' whole
-        lifetimes at once (offline batches then run without preemption); while streams are open
-        they share the pool as it is (with preemption when short)."""
+        lifetimes at once (offline batches then run without preemption); while other requests
+        run they share the pool as it is (with preemption when short), unless one of these could
+        never fit it: then the running requests finish first and the pool is resized. min_pages
+        is capped by what the requests' contexts can use (a request never makes the pool larger
+        than its context needs)."""
         eng = self.engine
         seqs, budget = len(reqs), max(8192, len(reqs) * (1 + self.runner.gamma))
-        if eng.owns_caches and eng.has_unfinished():
+        busy = eng.owns_caches and eng.has_unfinished()
+        if busy and any(eng.pages_needed([q]) > eng.num_pages for q in reqs):
+            while eng.has_unfinished():  # other threads' requests and open streams finish here
+                eng.step()
+            busy = False
+        if busy:
             seqs += len(eng.requests)
             budget = max(budget, seqs * (1 + self.runner.gamma))
         else:
             need = eng.pages_needed(reqs)
-            need = max(min_pages, need + need // 50 + 1)  # + the admission watermark
+            full = eng.target_blocks.pages_for(self.max_model_len + self.runner.block_size
+                                               + self.runner.gamma)
+            need = max(min(min_pages, full * seqs), need + need // 50 + 1)  # + the admission watermark
             if not eng.owns_caches or eng.num_pages < need:
                 eng = self.new_engine(EngineConfig(num_pages=need, max_num_seqs=seqs,
                                                    max_num_batched_tokens=budget, chunk_size=budget))
         eng.scheduler.max_num_seqs = max(eng.scheduler.max_num_seqs, seqs)
         eng.scheduler.max_num_batched_tokens = max(eng.scheduler.max_num_batched_tokens, budget)
         return eng
+
+
+def _is_ids(p) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a str or token ids) or a list of them, as a list; anything else is a
+    TypeError naming the argument (the prompts themselves are checked per request)."""
+    if isinstance(prompts, str) or _is_ids(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those, got "
+                        f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def _conversations(messages) -> list:
+    """One conversation (a list of message dicts) or a list of conversations, each checked."""
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+        convs = [messages]
+    elif isinstance(messages, (list, tuple)) and messages:
+        convs = list(messages)
+    else:
+        raise ValueError("chat: messages must be a non-empty list of {'role', 'content'} dicts, "
+                         f"or a list of such lists; got {messages!r:.80}")
+    for i, conv in enumerate(convs):
+        if not isinstance(conv, (list, tuple)) or not conv:
+            raise ValueError(f"chat: messages[{i}] must be a non-empty list of message dicts, "
+                             f"got {conv!r:.80}")
+        for j, m in enumerate(conv):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), (str, type(None), list)):
+                raise ValueError(f"chat: messages: conversation {i}, message {j} must be a dict "
+                                 f"with a str 'role' and a str 'content', got {m!r:.80}")
+    return convs

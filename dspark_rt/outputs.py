@@ -83,6 +83,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    # "stop": a stop token or string; "length": max_tokens or the model's context; "abort": the
+    # request was aborted (Engine.abort, or a closed stream); "error": it failed (NaN or inf in
+    # the target's logits, ...), the reason in `error`; the other requests go on
+    finish_reason: str
     logprobs: list[float] | None
     metrics: SpecMetrics
+    error: str | None = None  # why the request failed, when finish_reason == "error"

@@ -1,7 +1,17 @@
 """Per-request sampling parameters, in the shape users know from vLLM."""
+import numbers
 from dataclasses import dataclass, field
 
 _U64 = 1 << 64
+_F32_MAX = 3.4028234663852886e38  # the kernels compute in float32 at most: z / T must stay finite
+
+
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _integral(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclass
@@ -10,8 +20,10 @@ class SamplingParams:
     with its own seed draws the same tokens on every backend and, under the ar / dflash / fixed /
     threshold policies, wherever it sits in a batch; under sync and async the batch moves the
     verify lengths and so the round boundaries the noise is keyed by (coupled=True removes that
-    dependence). stop: strings that end the output (not included in it); stop_token_ids end it
-    after that token. logprobs=True returns the target's raw log-probability of every emitted
+    dependence). max_tokens: the most new tokens; the model's context caps it (a request never
+    holds more KV memory than its context needs). stop: strings that end the output (not
+    included in it; they need the target's tokenizer); stop_token_ids end it after that token.
+    logprobs=True returns the target's raw log-probability of every emitted
     token: log_softmax of its logits before temperature and before top-k / top-p (vLLM's default).
     coupled: Gumbel-coupled acceptance: a seeded request emits exactly what seeded plain decoding
     emits, whatever the batch, policy or drafter; costs acceptance: P(x = y) >= (1 - TV)/(1 + TV)
@@ -19,6 +31,9 @@ class SamplingParams:
     speculative=False: this request decodes plainly (it drafts nothing and verifies only its own
     token) while it shares the batch with speculating requests; a seeded one then emits what it
     would under mode "ar".
+    skip_special_tokens: leave special tokens (<|endoftext|>, ...) out of the text (token_ids
+    keep them). Numbers may be any numbers.Real / numbers.Integral (numpy scalars included);
+    check() stores them as Python floats and ints.
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,6 +46,7 @@ class SamplingParams:
     logprobs: bool = False
     coupled: bool = False
     speculative: bool = True
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         self.check()
@@ -41,37 +57,52 @@ class SamplingParams:
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0.0 <= t < float("inf")):
-            bad("temperature", "must be a finite number >= 0")
+        if not _real(t) or not (0.0 <= t <= _F32_MAX):
+            bad("temperature", f"must be a finite number in [0, {_F32_MAX:.4g}] (float32)")
         if 0 < t < 1e-3:
             bad("temperature", "must be 0 (greedy) or at least 1e-3")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        self.temperature = float(t)
+        if not _real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             bad("top_p", "must lie in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        self.top_p = float(self.top_p)
+        if not _integral(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an int (0 or -1 disables it)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < _U64):
-            bad("seed", "must be None or an int in [0, 2**64)")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        self.top_k = int(self.top_k)
+        if self.seed is not None:
+            if not _integral(self.seed) or not 0 <= self.seed < _U64:
+                bad("seed", "must be None or an int in [0, 2**64)")
+            self.seed = int(self.seed)
+        if not _integral(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an int >= 1")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a list of non-empty strings")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids):
+        self.max_tokens = int(self.max_tokens)
+        if self.stop is None:
+            self.stop = []
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a string or a list of non-empty strings")
+        if any(_has_surrogate(s) for s in self.stop):
+            bad("stop", "must be valid Unicode (no lone surrogates)")
+        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or \
+                not all(_integral(i) and i >= 0 for i in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative ints")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a bool")
-        if not isinstance(self.logprobs, bool):
-            bad("logprobs", "must be a bool")
-        if not isinstance(self.coupled, bool):
-            bad("coupled", "must be a bool")
-        if not isinstance(self.speculative, bool):
-            bad("speculative", "must be a bool")
+        self.stop_token_ids = [int(i) for i in self.stop_token_ids]
+        for name in ("ignore_eos", "logprobs", "coupled", "speculative", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -21,6 +21,42 @@ class ChatTemplateError(ValueError):
     """The template called raise_exception(...) or failed to render."""
 
 
+# Rendering work is bounded: a template (or the messages it is given) must not hang the process
+# or fill its memory. range() elements over one render, and the size of a product or power.
+_MAX_RANGE_TOTAL = 1_000_000
+_MAX_BINOP_SIZE = 10_000_000
+_MAX_OUTPUT_CHARS = 50_000_000
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with range() counted against a per-render budget and `*` / `**`
+    refused when their result would be huge."""
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            if abs(right) > 64 and abs(left) > 1:
+                raise ChatTemplateError(f"exponent {right!r} is too large")
+        if operator == "*":
+            for a, b in ((left, right), (right, left)):
+                if isinstance(a, (str, list, tuple)) and isinstance(b, int) and len(a) * b > _MAX_BINOP_SIZE:
+                    raise ChatTemplateError(f"a sequence of {len(a)} * {b} items is too large")
+        return super().call_binop(context, operator, left, right)
+
+
+class _RangeBudget:
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def __call__(self, *args):
+        r = range(*args)
+        self.left -= len(r)
+        if self.left < 0:
+            raise ChatTemplateError(f"the template iterates over more than {_MAX_RANGE_TOTAL} "
+                                    "range() elements")
+        return r
+
+
 def _token_text(v):
     """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
     if isinstance(v, dict):
@@ -45,7 +81,10 @@ class Tokenizer:
             raise CheckpointError(f"{tj}: file not found (only tokenizers in the tokenizer.json "
                                   "format are supported)")
         self.path = path
-        self._tok = _HFTokenizer.from_file(tj)
+        try:
+            self._tok = _HFTokenizer.from_file(tj)
+        except Exception as e:  # tokenizers raises a bare Exception for a corrupt file
+            raise CheckpointError(f"{tj}: not a valid tokenizer.json ({e})") from None
         tc_path = os.path.join(path, "tokenizer_config.json")
         tc = read_json(tc_path) if os.path.isfile(tc_path) else {}
         self.bos_token = _token_text(tc.get("bos_token"))
@@ -84,6 +123,12 @@ class Tokenizer:
                 t = f.read()
         return t
 
+    def _template_source(self) -> str:
+        tc = os.path.join(self.path, "tokenizer_config.json")
+        if os.path.isfile(tc) and "chat_template" in read_json(tc):
+            return tc
+        return os.path.join(self.path, "chat_template.jinja")
+
     def _id(self, token):
         return None if token is None else self._tok.token_to_id(token)
 
@@ -108,18 +153,31 @@ class Tokenizer:
         if not self.chat_template:
             raise CheckpointError(f"{self.path}: no chat template (tokenizer_config.json "
                                   "'chat_template' or chat_template.jinja)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        where = self._template_source()
+        env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                  extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.globals["range"] = _RangeBudget(_MAX_RANGE_TOTAL)
         try:
-            text = env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                pad_token=self.pad_token or "", **kwargs)
+            parts, size = [], 0
+            for chunk in env.from_string(self.chat_template).generate(
+                    messages=messages, add_generation_prompt=add_generation_prompt,
+                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                    pad_token=self.pad_token or "", **kwargs):
+                size += len(chunk)
+                if size > _MAX_OUTPUT_CHARS:
+                    raise ChatTemplateError(f"the rendered text exceeds {_MAX_OUTPUT_CHARS} characters")
+                parts.append(chunk)
+            text = "".join(parts)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"chat template of {where}: {e}") from None
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template of {self.path}: {e}") from None
+            raise ChatTemplateError(f"chat template of {where}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a template runs arbitrary expressions on the messages
+            raise ChatTemplateError(f"chat template of {where} failed to render: "
+                                    f"{type(e).__name__}: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -128,8 +186,8 @@ class IncrementalText:
     decodes a window from the last settled boundary. Text is released once it is settled: a
     token that ends inside a multi-byte character (decoded as U+FFFD) waits for the rest."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self._tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tok, self._skip = tokenizer, skip_special_tokens
         self._ids: list[int] = []
         self._prefix = self._read = 0  # window start; end of the ids already turned into text
         self.text = ""
@@ -137,8 +195,8 @@ class IncrementalText:
     def push(self, token_id: int) -> str:
         """Appends one token; returns the text it settled (possibly empty)."""
         self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        before = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        after = self._tok.decode(self._ids[self._prefix :], self._skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         new = after[len(before) :]

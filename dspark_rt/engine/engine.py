@@ -262,7 +262,7 @@ class Engine:
     def drive(self, reqs, *, use_tqdm=True, desc="dspark_rt") -> list[RequestOutput]:
         """Steps until these queued requests finish (other requests advance too); on an
         interrupt nothing of them stays queued or holds pages."""
-        bar = tqdm(total=sum(q.params.max_tokens for q in reqs), desc=desc, unit="tok",
+        bar = tqdm(total=sum(q.max_tokens for q in reqs), desc=desc, unit="tok",
                    disable=not use_tqdm)
         try:
             while any(not q.finished for q in reqs):

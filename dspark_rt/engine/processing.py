@@ -2,6 +2,8 @@
 out, cut at stop tokens, stop strings, max_tokens and the context, with their log-probabilities,
 speculative metrics and the RequestOutput. Owner of the Request's output fields (see request.py).
 """
+import numbers
+
 import torch
 
 from ..outputs import RequestOutput, SpecMetrics
@@ -34,14 +36,25 @@ class Processor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {i}: a text prompt needs a tokenizer.json in the target folder")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"request {i}: prompt is not valid Unicode ({e.reason} at "
+                                 f"index {e.start})") from None
             text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"request {i}: the tokenizer gave prompt token ids outside the "
+                                 f"model's vocabulary [0, {V}): {bad[:5]}")
+        elif isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
                 raise ValueError(f"request {i}: prompt token ids must lie in [0, {V}), got {bad[:5]}")
         else:
-            raise ValueError(f"request {i}: prompt must be a str or a list of int token ids")
+            raise ValueError(f"request {i}: prompt must be a str or a list of int token ids, got "
+                             f"{type(prompt).__name__}")
         if not ids:
             raise ValueError(f"request {i}: prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -50,9 +63,14 @@ class Processor:
         bad = [t for t in params.stop_token_ids if t >= V]
         if bad:
             raise ValueError(f"request {i}: stop_token_ids must lie in [0, {V}), got {bad}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {i}: SamplingParams.stop needs the target's tokenizer "
+                             "(tokenizer.json), which this model lacks; use stop_token_ids")
         if params.seed is not None:
             seed, stream = params.seed, 0
-        return Request(request_id, text, ids, params, seed, stream, SpecMetrics(self.gamma))
+        # the context caps the output, so the KV memory a request reserves is bounded by it
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        return Request(request_id, text, ids, params, seed, stream, SpecMetrics(self.gamma), max_tokens)
 
     # -- out ---------------------------------------------------------------------------------
 
@@ -61,12 +79,12 @@ class Processor:
         """Appends a round's emitted tokens (x_1 .. x_a, y), honouring stop tokens, stop
         strings, max_tokens and the context; records the round's metrics (verified: drafts
         verified, None for round 0)."""
-        if verified is not None and self.gamma:
-            req.metrics.record(verified, len(tokens) - 1)
         stops = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             stops |= set(self.eos_token_ids)
+        emitted = 0
         for j, t in enumerate(tokens):
+            emitted += 1
             req.output_ids.append(t)
             if logprobs is not None:
                 req.logprobs.append(logprobs[j])
@@ -78,6 +96,10 @@ class Processor:
                 req.finish_reason = "stop"
             if req.finished:
                 break
+        if verified is not None and self.gamma and emitted:
+            # a round cut by a stop emitted only some of its tokens: they count as accepted
+            # drafts and the round's own token, so the metrics imply exactly the tokens emitted
+            req.metrics.record(verified if emitted == len(tokens) else emitted - 1, emitted - 1)
         req.round += 1
 
     @staticmethod
@@ -94,7 +116,7 @@ class Processor:
         the text is cut before it. Only the newly settled text (and the stops' length before
         it) is searched: earlier text held no stop."""
         if req.detok is None:
-            req.detok = IncrementalText(self.tokenizer)
+            req.detok = IncrementalText(self.tokenizer, req.params.skip_special_tokens)
         new = req.detok.push(token)
         if not new:
             return False
@@ -125,8 +147,9 @@ class Processor:
 
     def output(self, r: Request) -> RequestOutput:
         text = r.text
-        if not text and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_ids)
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode(
+                r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, text, list(r.output_ids),
                              r.finish_reason or "length",
-                             list(r.logprobs) if r.params.logprobs else None, r.metrics)
+                             list(r.logprobs) if r.params.logprobs else None, r.metrics, r.error)

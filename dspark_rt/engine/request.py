@@ -23,6 +23,7 @@ class Request:
     seed: int          # uint64 Philox key
     stream: int        # Philox stream id (0 for a request with its own seed)
     metrics: SpecMetrics
+    max_tokens: int    # params.max_tokens capped by the context left after the prompt
     # scheduler
     kv_len: int = 0
     ctx_len: int = 0
@@ -34,7 +35,7 @@ class Request:
     round: int = 0     # rounds run, round 0 (the token after the prompt) included
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
-    text: str = ""
+    text: str | None = None  # the text cut before a stop string (None: decode output_ids)
     detok: object = None  # tokenizer.IncrementalText, when stop strings are checked
 
     @property
@@ -48,4 +49,4 @@ class Request:
 
     @property
     def remaining(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.max_tokens - len(self.output_ids)

@@ -122,10 +122,14 @@ class SPSProfile:
     def load(cls, path) -> "SPSProfile":
         """Our JSON (`save`) or SGLang's DSpark SPS cost table (`read_sglang_sps_table`)."""
         d = _read_json_object(path)
-        if d.get("format") == FORMAT:
-            return cls.from_pairs(d["table"], d.get("key"), d.get("interp", "linear"))
-        if any(f in d for f in SGLANG_SPS_FIELDS + SGLANG_ADDITIVE_FIELDS):
-            return _from_sglang(d, path)
+        try:
+            if d.get("format") == FORMAT:
+                return cls.from_pairs(d["table"], d.get("key"), d.get("interp", "linear"))
+            if any(f in d for f in SGLANG_SPS_FIELDS + SGLANG_ADDITIVE_FIELDS):
+                return _from_sglang(d, path)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            msg = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, IndexError)) else str(e)
+            raise ValueError(msg if str(path) in msg else f"{path}: {msg}") from None
         raise ValueError(f"{path}: not an SPS table in a supported format ({SUPPORTED}); "
                          f"found top-level fields {sorted(d)}")
 

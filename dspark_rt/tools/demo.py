@@ -99,7 +99,15 @@ def _run_mode(mode, target, drafter, calibration, prompts, params, device, progr
     return r, dec
 
 
-def _calibration_stats(dec, out: Path, plots: dict):
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _calibration_stats(dec, out: Path, plots: dict, can_plot: bool = True):
     """Pooled / per-position ECE of the calibrated survivals, and the reliability diagram."""
     from .evaluate import calibration_metrics
     from ..policies.sts import reliability_diagram
@@ -108,7 +116,8 @@ def _calibration_stats(dec, out: Path, plots: dict):
         return None
     temps = list(dec.engine.calibration.temperatures[: dec.runner.gamma])
     c = calibration_metrics(conf, ver, acc, temps)
-    plots["reliability"] = str(reliability_diagram(conf, acc, ver, temps, out / "reliability.png"))
+    if can_plot:
+        plots["reliability"] = str(reliability_diagram(conf, acc, ver, temps, out / "reliability.png"))
     return {"temperatures": temps, "ece": c["pooled"]["ece"], "auc": c["pooled"]["auc"],
             "ece_by_position": [p["ece"] for p in c["by_position"]]}
 
@@ -151,12 +160,13 @@ def _demo(out: Path, quick, as_json, device):
         r["equals_ar"] = reference is None or ids == reference
         reference = reference or ids
         results[mode], decoders[mode] = r, dec
+    can_plot = _has_matplotlib()
     plots = {"acceptance_by_position":
-             _plot_acceptance(results, out / "acceptance_by_position.png")}
+             _plot_acceptance(results, out / "acceptance_by_position.png")} if can_plot else {}
     ar_tps = results["ar"]["tokens_per_s"]
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / ar_tps
-    results["dspark"]["calibration"] = _calibration_stats(decoders["dspark"], out, plots) \
+    results["dspark"]["calibration"] = _calibration_stats(decoders["dspark"], out, plots, can_plot) \
         if calibration is not None else None
     summary = {"pair": "shipped" if trained else "random", "target": str(target),
                "dspark": str(dspark), "dflash": str(dflash),
@@ -169,7 +179,8 @@ def _demo(out: Path, quick, as_json, device):
         print(text)
         return summary
     _print_table(results)
-    print("\nplots: " + ", ".join(plots.values()) + f"\nresults: {out / 'results.json'}")
+    print("\nplots: " + (", ".join(plots.values()) if plots else "none (matplotlib is not installed)")
+          + f"\nresults: {out / 'results.json'}")
     return summary
 
 

@@ -73,6 +73,9 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     read_turns(prompts_file, limit)  # a bad prompt file fails before any model is loaded
     dec = Decoder.from_pretrained(target, drafter, mode=mode, policy="fixed", device=device,
                                   dtype=dtype)
+    if policy != "fixed" and dec.mode != "ar" and not dec.runner.has_confidence:
+        raise ValueError(f"--policy {policy} needs a drafter with a confidence head; {drafter} "
+                         f"has none (mode {dec.mode}): use --policy fixed")
     if policy in ("sync", "async", "auto") and sps is None:
         from ..runner.profiling import load_or_profile
         sps = load_or_profile(dec.runner, progress=progress)

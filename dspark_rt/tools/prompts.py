@@ -117,8 +117,8 @@ def positive(kind):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a valid {kind.__name__}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        if not 0 < v < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {s}")
         return v
     return parse
 

@@ -10,6 +10,7 @@ The corpus defaults to this interpreter's standard library (*.py, tests skipped)
 """
 import argparse
 import json
+import math
 import sys
 
 import torch
@@ -17,22 +18,55 @@ import torch
 __all__ = ["main"]
 
 
+def _positive(kind, zero_ok=False):
+    """argparse type: a finite number of `kind` > 0 (>= 0 with zero_ok)."""
+    def parse(s):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a valid {kind.__name__}") from None
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'}, got {s}")
+        return v
+    return parse
+
+
+def _existing(s):
+    """argparse type: a file or folder that exists."""
+    from pathlib import Path
+    if not Path(s).exists():
+        raise argparse.ArgumentTypeError(f"{s}: no such file or folder")
+    return s
+
+
+def _layer_ids(s):
+    """argparse type: comma-separated ints (target layer ids; -1 is the embedding output)."""
+    try:
+        ids = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints, got {s!r}") from None
+    if not ids or any(i < -1 for i in ids):
+        raise argparse.ArgumentTypeError(f"must be ints >= -1, got {s!r}")
+    return ids
+
+
 def _corpus_args(p):
-    p.add_argument("--corpus", help="folder of *.py files (default: the running Python's stdlib)")
-    p.add_argument("--max-bytes", type=int, default=6_000_000, help="cap on training text")
+    p.add_argument("--corpus", type=_existing, help="folder of *.py files (default: the running Python's stdlib)")
+    p.add_argument("--max-bytes", type=_positive(int), default=6_000_000, help="cap on training text")
 
 
 def _loop_args(p, steps, batch, lr, warmup):
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--batch", type=int, default=batch, help="sequences per step")
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--warmup", type=int, default=warmup)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--save-every", type=int, default=50, help="steps between resumable saves")
+    p.add_argument("--steps", type=_positive(int), default=steps)
+    p.add_argument("--batch", type=_positive(int), default=batch, help="sequences per step")
+    p.add_argument("--lr", type=_positive(float), default=lr)
+    p.add_argument("--warmup", type=_positive(int, zero_ok=True), default=warmup)
+    p.add_argument("--weight-decay", type=_positive(float, zero_ok=True), default=0.1)
+    p.add_argument("--save-every", type=_positive(int), default=50, help="steps between resumable saves")
     p.add_argument("--resume", action="store_true", help="continue from <out>/train_state.pt")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the loss (about 2 min to compile; faster long runs)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--threads", type=_positive(int, zero_ok=True), default=0,
+                   help="torch threads (0: leave as is)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -43,74 +77,92 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer")
     p.add_argument("--out", required=True)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--ctx", type=int, default=512, help="model_max_length written to the config")
+    p.add_argument("--vocab", type=_positive(int), default=2048)
+    p.add_argument("--ctx", type=_positive(int), default=512, help="model_max_length written to the config")
     p.add_argument("--seed", type=int, default=0)
     _corpus_args(p)
 
     p = sub.add_parser("target", help="pretrain the tiny Qwen3 target")
-    p.add_argument("--tokenizer", required=True, help="folder written by the tokenizer stage")
+    p.add_argument("--tokenizer", required=True, type=_existing, help="folder written by the tokenizer stage")
     p.add_argument("--out", required=True)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--seq", type=int, default=512, help="training sequence length")
+    p.add_argument("--hidden", type=_positive(int), default=256)
+    p.add_argument("--layers", type=_positive(int), default=4)
+    p.add_argument("--heads", type=_positive(int), default=4)
+    p.add_argument("--kv-heads", type=_positive(int), default=2)
+    p.add_argument("--head-dim", type=_positive(int), default=64)
+    p.add_argument("--intermediate", type=_positive(int), default=768)
+    p.add_argument("--ctx", type=_positive(int), default=512)
+    p.add_argument("--seq", type=_positive(int), default=512, help="training sequence length")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the written weights")
     _corpus_args(p)
     _loop_args(p, steps=400, batch=8, lr=2e-3, warmup=30)
 
     p = sub.add_parser("regen", help="target-generated continuations (drafter training data)")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True, type=_existing)
     p.add_argument("--out", required=True, help=".pt file")
-    p.add_argument("--num", type=int, default=1024, help="sequences")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8,
+    p.add_argument("--num", type=_positive(int), default=1024, help="sequences")
+    p.add_argument("--prompt-len", type=_positive(int), default=128)
+    p.add_argument("--new-tokens", type=_positive(int), default=128)
+    p.add_argument("--batch", type=_positive(int), default=64)
+    p.add_argument("--temperature", type=_positive(float, zero_ok=True), default=0.8,
                    help="odd sequences are sampled at this temperature, even ones greedy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=_positive(int, zero_ok=True), default=0)
     _corpus_args(p)
 
     p = sub.add_parser("drafter", help="train a DSpark or DFlash drafter against a frozen target")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True, type=_existing)
     p.add_argument("--out", required=True)
-    p.add_argument("--data", help="regen .pt file (default: corpus windows)")
+    p.add_argument("--data", type=_existing, help="regen .pt file (default: corpus windows)")
     p.add_argument("--head", default="vanilla", choices=["vanilla", "gated", "rnn", "none"],
                    help="sequential head; none = DFlash")
-    p.add_argument("--gamma", type=int, default=7, help="block size (drafts per round)")
-    p.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
-    p.add_argument("--rank", type=int, default=128, help="Markov rank r")
-    p.add_argument("--target-layer-ids", default=None,
+    p.add_argument("--gamma", type=_positive(int), default=7, help="block size (drafts per round)")
+    p.add_argument("--layers", type=_positive(int), default=1, help="drafter decoder layers")
+    p.add_argument("--rank", type=_positive(int), default=128, help="Markov rank r")
+    p.add_argument("--target-layer-ids", default=None, type=_layer_ids,
                    help="comma-separated target layers for the context features "
                         "(default: evenly spaced, final layer excluded)")
     p.add_argument("--confidence", choices=["auto", "yes", "no"], default="auto",
                    help="confidence head (auto: with a sequential head only)")
-    p.add_argument("--upgrade-dflash", metavar="DIR",
+    p.add_argument("--upgrade-dflash", metavar="DIR", type=_existing,
                    help="start from this DFlash drafter, freeze its backbone, train the heads")
-    p.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
-    p.add_argument("--seq", type=int, default=256, help="sequence length (corpus windows)")
+    p.add_argument("--anchors", type=_positive(int), default=32, help="anchors (blocks) per sequence")
+    p.add_argument("--seq", type=_positive(int), default=256, help="sequence length (corpus windows)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the written weights")
     _corpus_args(p)
     _loop_args(p, steps=300, batch=8, lr=3e-3, warmup=20)
 
     p = sub.add_parser("prompts", help="held-out corpus windows as a JSONL prompt file")
     p.add_argument("--out", required=True)
-    p.add_argument("--num", type=int, default=64)
-    p.add_argument("--chars", type=int, default=600, help="characters per prompt (about)")
+    p.add_argument("--num", type=_positive(int), default=64)
+    p.add_argument("--chars", type=_positive(int), default=600, help="characters per prompt (about)")
     p.add_argument("--seed", type=int, default=0)
     _corpus_args(p)
     return ap
 
 
 def main(argv=None) -> int:
-    a = parser().parse_args(argv)
+    ap = parser()
+    a = ap.parse_args(argv)
     if getattr(a, "threads", 0):
         torch.set_num_threads(a.threads)
+    try:
+        s = _run(a)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad file or setting: one line, not a traceback
+        ap.exit(2, f"dspark-rt train {a.stage}: error: {_reason(e)}\n")
+    print(json.dumps({"stage": a.stage, "out": a.out, **s}, indent=2, default=str))
+    return 0
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, (ValueError, OSError)):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def _run(a) -> dict:
     if a.stage == "tokenizer":
         from .corpus import load_corpus
         from .tokenizer_train import save_tokenizer, train_tokenizer
@@ -134,8 +186,7 @@ def main(argv=None) -> int:
                        temperature=a.temperature, seed=a.seed)
     elif a.stage == "drafter":
         from .drafter_train import train_drafter
-        ids = None if a.target_layer_ids is None else \
-            [int(x) for x in a.target_layer_ids.split(",")]
+        ids = a.target_layer_ids
         conf = {"auto": None, "yes": True, "no": False}[a.confidence]
         s = train_drafter(target_dir=a.target, out=a.out, data=a.data, head=a.head, gamma=a.gamma,
                           layers=a.layers, rank=a.rank, target_layer_ids=ids, confidence=conf,
@@ -148,8 +199,7 @@ def main(argv=None) -> int:
         from .regen import write_prompts
         s = write_prompts(a.out, corpus=a.corpus, max_bytes=a.max_bytes, num=a.num,
                           chars=a.chars, seed=a.seed)
-    print(json.dumps({"stage": a.stage, "out": a.out, **s}, indent=2, default=str))
-    return 0
+    return s
 
 
 if __name__ == "__main__":
