@@ -181,12 +181,22 @@ def test_integer_dtype(tmp_path):
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, r"rope_scaling type 'yarn' is not supported"),
     ("attention_bias", True, r"attention_bias"),
     ("vocab_size", "96", r"field 'vocab_size' must be int"),
+    ("rms_norm_eps", 0, r"field 'rms_norm_eps' must be a finite number > 0"),
+    ("rms_norm_eps", -1e-6, r"field 'rms_norm_eps' must be a finite number > 0"),
+    ("eos_token_id", [5, 96], r"field 'eos_token_id' has ids \[96\] outside the vocabulary"),
+    ("bos_token_id", 1000, r"field 'bos_token_id' has ids \[1000\] outside the vocabulary"),
 ])
 def test_bad_target_config(tmp_path, field, value, msg):
     path, cfg, _ = _break_target(tmp_path)
     _edit_json(cfg, **{field: value})
     with pytest.raises(CheckpointError, match=r"config\.json: .*" + msg):
         Qwen3Model.from_pretrained(path)
+
+
+def test_a_folder_with_glob_characters_loads(tmp_path):
+    """[ and ] in a path are glob syntax: the shard search must not read them as a pattern."""
+    path = testing.write_tiny_target(tmp_path / "run[1] *?", **SIZES)
+    assert len(Qwen3Model.from_pretrained(path).layers) == L
 
 
 def test_no_weights(tmp_path):

@@ -543,3 +543,26 @@ def test_rejection_padding_rows_belong_to_no_request(backend):
         pad = torch.full((3, 40), float("nan"), dtype=kw["target_logits"].dtype)
         got = _rejection({**kw, "target_logits": torch.cat([kw["target_logits"], pad])}, backend)
         assert all(torch.equal(a, b) for a, b in zip(want, got)), key
+
+
+def test_door_edge_cases():
+    """Inputs a careless caller sends: each is an OpError naming the argument (not a binding
+    'bad argument', a raw pybind TypeError, a ZeroDivisionError or silent inf), or, for a K
+    beyond every candidate, the same result as admitting every candidate."""
+    kw = oc.markov_inputs(oc.MarkovCase(2, 3, 40, "vanilla"))
+    run = lambda **ch: _markov({**kw, **ch}, "cpp")
+    _raises(lambda: run(w1=kw["w1"][:, :0], w2=kw["w2"][:, :0]), "w1", "rank")
+    _raises(lambda: run(logits=kw["logits"][..., :0], w1=kw["w1"][:0], w2=kw["w2"][:0]), "logits", "V")
+    for bad in (float("inf"), float("nan"), -1.0):
+        t = kw["temperature"].clone()
+        t[0] = bad
+        _raises(lambda: run(temperature=t), "temperature")
+    rk = oc.rejection_inputs(oc.RejectionCase(3, 4, 30, "full"))
+    t = rk["temperature"].clone()
+    t[1] = float("inf")
+    _raises(lambda: _rejection({**rk, "temperature": t}, "cpp"), "temperature")
+    at = oc.attention_inputs(oc.AttentionCase((3, 2), (20, 5), 6, 2, 16, 8))
+    _raises(lambda: _attention({**at, "q": at["q"][..., :0]}, "cpp"), "head_dim")
+    surv = torch.rand(3, 4)
+    assert torch.equal(ops.prefix_topk(surv, 2 ** 63), ops.prefix_topk(surv, 12))
+    _raises(lambda: ops.prefix_topk(surv, True), "K")

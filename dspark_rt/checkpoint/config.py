@@ -183,12 +183,22 @@ class TargetConfig:
             raise CheckpointError(f"{src}: field 'layer_types' has sliding_attention layers, "
                                   "which are not supported")
         theta, scaling = _parse_rope(d, src, drafter)
+        eps = _get(d, "rms_norm_eps", src, float, 1e-6)
+        if not 0 < eps < float("inf"):
+            raise CheckpointError(f"{src}: field 'rms_norm_eps' must be a finite number > 0, got {eps!r}")
+        vocab = _get(d, "vocab_size", src, int, min_value=1)
+        for key in ("bos_token_id", "eos_token_id"):
+            ids = _token_ids(d.get(key), src, key)
+            bad = [i for i in ([] if ids is None else ids if isinstance(ids, list) else [ids]) if i >= vocab]
+            if bad:
+                raise CheckpointError(f"{src}: field '{key}' has ids {bad} outside the vocabulary "
+                                      f"(vocab_size={vocab})")
         return cls(
             source=src, arch=arch, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             intermediate_size=_get(d, "intermediate_size", src, int, min_value=1),
             vocab_size=_get(d, "vocab_size", src, int, min_value=1),
-            rms_norm_eps=_get(d, "rms_norm_eps", src, float, 1e-6),
+            rms_norm_eps=eps,
             rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=_get(d, "tie_word_embeddings", src, bool, False),
             max_position_embeddings=_get(d, "max_position_embeddings", src, int, 32768, min_value=1),

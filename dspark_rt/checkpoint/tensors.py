@@ -54,7 +54,7 @@ class Checkpoint:
             files = sorted(set(weight_map.values()))
             self.index_file = index
         else:
-            files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+            files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
             weight_map = None
             self.index_file = os.path.join(path, "model.safetensors")
             if not files:

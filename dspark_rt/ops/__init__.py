@@ -119,6 +119,15 @@ def _run(op_name, params, backend, device):
     getattr(_C, op_name)(params, backend, stream)
 
 
+def _temperatures(op, temperature, R, dev):
+    """[R] float32, finite and >= 0 (0: greedy). Values are checked on host tensors only (a check
+    on the device would synchronise)."""
+    t = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
+    if t.device.type == "cpu" and t.numel() and not bool((torch.isfinite(t) & (t >= 0)).all()):
+        fail(op, f"temperature values must be finite and >= 0, got {t.tolist()[:8]}")
+    return t
+
+
 def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
@@ -148,6 +157,8 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     if not logits.is_contiguous():
         fail(op, "logits must be contiguous (it is written in place)")
     R, gamma, V = logits.shape
+    if V < 1:
+        fail(op, f"logits must have a vocabulary of V >= 1, got shape {tuple(logits.shape)}")
     dev = logits.device
     fdt = logits.dtype
     hidden = tensor(op, "hidden", hidden, ndim=3, device=dev)
@@ -163,6 +174,8 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
             fail(op, f"head {head!r} needs w1 and w2")
         w1 = tensor(op, "w1", w1, dtype=wdt, ndim=2, device=dev)
         rank = w1.shape[1]
+        if rank < 1:
+            fail(op, f"w1 must have a Markov rank >= 1 (shape [V, rank]), got {tuple(w1.shape)}")
         w1 = tensor(op, "w1", w1, shape=(V, rank))
         w2 = tensor(op, "w2", w2, dtype=wdt, shape=(V, rank), device=dev)
     if head == "gated":
@@ -179,7 +192,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
         if conf_markov and (rank == 0 or conf_w.shape[0] != d + rank):
             fail(op, f"conf_w must have {d} entries (or {d} + rank with w1), got {conf_w.shape[0]}")
         conf_b = tensor(op, "conf_b", conf_b, dtype=wdt, shape=(1,), device=dev)
-    temperature = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
+    temperature = _temperatures(op, temperature, R, dev)
     seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
     round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
@@ -245,7 +258,7 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
         if int(cu_rows[0]) != 0 or int(cu_rows[-1]) > N or int(n.min()) < 1 or int(n.max()) > gamma + 1:
             fail(op, f"cu_rows must start at 0, end at most at N={N} and give each request "
                      f"1..gamma+1={gamma + 1} rows, got {cu_rows.tolist()}")
-    temperature = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
+    temperature = _temperatures(op, temperature, R, dev)
     seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
     round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
@@ -273,8 +286,9 @@ def prefix_topk(survival, K: int, *, backend=None):
     """Verify lengths of the top-K candidates; see reference.prefix_topk. Returns [R] int32."""
     op = "prefix_topk"
     survival = tensor(op, "survival", survival, dtype=torch.float32, ndim=2)
-    if not isinstance(K, int) or K < 0:
+    if isinstance(K, bool) or not isinstance(K, int) or K < 0:
         fail(op, f"K must be a non-negative int, got {K!r}")
+    K = min(K, survival.numel())  # more than every candidate admits every candidate
     dev = survival.device
     be = _backend(op, dev, backend, None)
     if be == "reference":
@@ -406,6 +420,8 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     be = _backend(op, dev, be, fdt, "q")
     q = q.contiguous()
     N, h_q, hd = q.shape
+    if hd < 1:
+        fail(op, f"q must have head_dim >= 1, got shape {tuple(q.shape)}")
     k_cache = tensor(op, "k_cache", k_cache, dtype=fdt, ndim=4, device=dev)
     num_pages, page_size, h_kv, _ = k_cache.shape
     tensor(op, "k_cache", k_cache, shape=(num_pages, page_size, h_kv, hd))
