@@ -13,7 +13,7 @@ import torch
 from dspark_rt import Decoder, SamplingParams
 from dspark_rt.engine import EngineConfig
 from dspark_rt.engine.engine import Engine
-from dspark_rt.tokenizer import Tokenizer
+from dspark_rt.checkpoint.tokenizer import Tokenizer
 
 PRETRAINED = __import__("pathlib").Path(__file__).resolve().parent.parent / "dspark_rt" / "pretrained"
 GREEDY = dict(temperature=0)

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from dspark_rt.__main__ import main
-from dspark_rt.config import CheckpointError
-from dspark_rt.tokenizer import ChatTemplateError, Tokenizer
+from dspark_rt.checkpoint.config import CheckpointError
+from dspark_rt.checkpoint.tokenizer import ChatTemplateError, Tokenizer
 
 
 def _fails_cleanly(argv, capsys, match):
