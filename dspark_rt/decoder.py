@@ -58,15 +58,17 @@ class Decoder:
 
     def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
                  mode=None, policy="fixed", threshold=0.5, sps=None, calibration=None,
-                 page_size=16, seed=0, device="cpu"):
+                 page_size=16, seed=0, device="cpu", tensor_parallel=None):
         self.device = torch.device(device)
+        self.tensor_parallel = tensor_parallel  # parallel.TensorParallel: the worker ranks
         if mode is None:
             mode = "ar" if drafter is None else (
                 "dspark" if drafter.head != "none" or drafter.conf_w is not None else "dflash")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.target, self.drafter, self.tokenizer, self.mode = target, drafter, tokenizer, mode
-        self.runner = Runner(target, drafter, mode, page_size, self.device)
+        self.runner = (Runner(target, drafter, mode, page_size, self.device) if tensor_parallel is None
+                       else tensor_parallel.runner(target, drafter, mode, page_size, self.device))
         self.policy = self._policy(policy, threshold, sps) if mode == "dspark" else make_policy("fixed")
         self.calibration = _calibration(calibration)
         self.calibration_source = (str(calibration) if isinstance(calibration, (str, Path)) else
@@ -84,6 +86,9 @@ class Decoder:
         if not self.runner.has_confidence:
             raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
         spec, plain = (tuple(sps) if isinstance(sps, (tuple, list)) else (sps, None))
+        if self.tensor_parallel is not None and (spec is None or (policy == "auto" and plain is None)):
+            raise ValueError(f"policy {policy!r} with tensor_parallel_size > 1 needs sps= (the "
+                             "profiler runs on one process; measure it there or pass a table)")
         from .runner.profiling import load_or_profile  # measures real rounds of this machine
         if spec is None:
             spec = load_or_profile(self.runner)
@@ -94,11 +99,14 @@ class Decoder:
         return make_policy(policy, sps=spec, plain=plain)
 
     @classmethod
-    def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):
+    def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None,
+                        tensor_parallel_size: int = 1, **kwargs):
         """target: a Hugging Face Qwen3 / Llama folder; drafter: a DeepSpec DSpark/DFlash or
         z-lab DFlash folder (or None for plain decoding). Without calibration=, the STS
         temperatures `dspark-rt calibrate` wrote beside the drafter are used when present
-        (calibration="none": uncalibrated confidences)."""
+        (calibration="none": uncalibrated confidences). tensor_parallel_size=N > 1 shards both
+        models over N ranks: this process is rank 0, N - 1 worker processes are started (NCCL
+        on CUDA, rank r on cuda:r; gloo on the CPU); see shutdown()."""
         device = torch.device(device)
         cal = kwargs.get("calibration")
         if cal is None and drafter is not None and (Path(drafter) / CALIBRATION_FILE).is_file():
@@ -106,10 +114,33 @@ class Decoder:
         elif isinstance(cal, str) and cal == "none":
             kwargs["calibration"] = None
         dt = _dtype(dtype, device)
+        tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
+        if tensor_parallel_size != 1:
+            if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+                raise ValueError(f"tensor_parallel_size must be a positive int, got "
+                                 f"{tensor_parallel_size!r}")
+            from .parallel import TensorParallel
+            tp = TensorParallel(tensor_parallel_size, target, drafter, dt, device)
+            try:
+                return cls(tp.target, tp.drafter, tok, device=device, tensor_parallel=tp, **kwargs)
+            except BaseException:
+                tp.shutdown()
+                raise
         tgt = Qwen3Model.from_pretrained(target, dtype=dt, device=device)
         drf = Drafter.from_pretrained(drafter, tgt, dtype=dt, device=device) if drafter else None
-        tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
         return cls(tgt, drf, tok, device=device, **kwargs)
+
+    def shutdown(self):
+        """Stops the tensor-parallel workers (also at exit, and on leaving a `with` block); a
+        single-process Decoder has nothing to stop. The Decoder cannot generate afterwards."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
 
     def new_engine(self, config: EngineConfig | None = None, **kwargs) -> Engine:
         """A new Engine over this Decoder's models (it takes over the KV caches: the previous

@@ -106,6 +106,11 @@ class Runner:
         dcache = self.drafter.make_cache(num_pages, self.page_size) if self.drafter is not None else None
         self.tcache, self.dcache = tcache, dcache
 
+    def run_round(self, round_, batch: SeqBatch, policy, calibration):
+        """round_(self, batch, policy, calibration): the engine runs its Round through here, so a
+        runner that drives other processes (parallel.ParallelRunner) starts it on them too."""
+        return round_(self, batch, policy, calibration)
+
     # -- host <-> device ---------------------------------------------------------------------
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
