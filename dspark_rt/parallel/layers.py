@@ -70,7 +70,10 @@ class ShardedQwen3(Qwen3Model):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         logits = self.group.gather_last(F.linear(hidden.to(w.dtype), w))
-        return logits[..., : self.config.vocab_size].to(acc_dtype(w.dtype))
+        V = self.config.vocab_size
+        if logits.shape[-1] != V:  # the last shard's padding rows
+            logits = logits[..., :V].contiguous()
+        return logits.to(acc_dtype(w.dtype))
 
 
 def _row_parallel(layers, group: TPGroup):
