@@ -220,6 +220,40 @@ def test_from_pretrained_and_shutdown(pair):
         dec.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
 
 
+def test_a_plain_runner_over_sharded_models_refuses(pair):
+    """What would wait forever for the other ranks (the profiler's own Runner over a
+    tensor-parallel Decoder's models) raises instead."""
+    from dspark_rt.runner.profiling import RoundWorkload
+    g = _group("vanilla", *pair)
+    dec = Decoder(g.target, g.drafter, None, tensor_parallel=g, mode="dspark")
+    with pytest.raises(RuntimeError, match="outside a ParallelRunner call"):
+        RoundWorkload(dec.runner, 2, 8)
+    with pytest.raises(ValueError, match="needs sps="):
+        Decoder(g.target, g.drafter, None, tensor_parallel=g, mode="dspark", policy="sync")
+    assert dec.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].token_ids  # the group goes on
+
+
+def test_serve_state_with_tensor_parallel_size(pair):
+    """`dspark-rt serve --tensor-parallel-size 2` builds its Engine on a 2-rank Decoder."""
+    from dspark_rt.tools.serve import build_state, parser
+    assert parser().parse_args(["--target", str(pair[0]), "--tensor-parallel-size", "2"]
+                               ).tensor_parallel_size == 2
+    for g in list(_live):
+        _live.pop(g).shutdown()
+    state = build_state(*pair, mode="dspark", dtype="float64", max_num_seqs=2,
+                        tensor_parallel_size=2)
+    eng = state.engine
+    try:
+        rid = eng.add_request(PROMPTS[1], GREEDY)
+        got = []
+        while eng.has_unfinished():
+            got += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+        ref = _single(pair, "dspark", "fixed").generate([PROMPTS[1]], GREEDY, use_tqdm=False)
+        assert got == ref[0].token_ids
+    finally:
+        eng.runner.tensor_parallel.shutdown()
+
+
 def test_a_killed_worker_is_an_error_not_a_hang(pair):
     dec = _parallel("vanilla", pair, "dspark", "fixed")
     stream = dec.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))

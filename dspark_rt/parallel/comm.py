@@ -41,6 +41,7 @@ class TPGroup:
         self.control = control  # gloo group of the commands (None: the default group is gloo)
         self.traffic = Traffic()
         self.watch = None  # leader: raises when a worker is gone (launch.TensorParallel.check)
+        self.active = 0  # > 0 inside a command every rank runs (ParallelRunner)
 
     @property
     def leader(self) -> bool:
@@ -48,8 +49,16 @@ class TPGroup:
 
     # -- inside the model forwards -----------------------------------------------------------
 
+    def _in_step(self, what: str):
+        """A sharded forward outside a command would wait forever for the other ranks: a plain
+        Runner (the profiler's, a test's) over a tensor-parallel Decoder's models."""
+        if not self.active:
+            raise RuntimeError(f"tensor-parallel {what} outside a ParallelRunner call: the sharded "
+                               "models of a tensor-parallel Decoder run only through its runner")
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks of x (the partial products of a row-parallel layer), in place."""
+        self._in_step("all_reduce")
         x = x.contiguous()
         self.traffic.add("all_reduce", x.numel() * x.element_size())
         dist.all_reduce(x)
@@ -57,6 +66,7 @@ class TPGroup:
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n], rank-major (vocabulary shards in order)."""
+        self._in_step("all_gather")
         x = x.contiguous()
         self.traffic.add("all_gather", x.numel() * x.element_size())
         parts = [torch.empty_like(x) for _ in range(self.size)]

@@ -129,7 +129,7 @@ class TensorParallel:
         rid = len(self.runners)
         self.group.send(("runner", rid, mode, page_size))
         self.runners[rid] = ParallelRunner(target, drafter, mode, page_size, device, self.group,
-                                           rid, on_error=self.failed)
+                                           rid, tensor_parallel=self)
         return self.runners[rid]
 
     def stats(self) -> list[dict]:

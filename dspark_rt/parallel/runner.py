@@ -23,27 +23,30 @@ class WorkerError(RuntimeError):
 
 class ParallelRunner(Runner):
     def __init__(self, target, drafter, mode: str, page_size: int, device, group: TPGroup,
-                 runner_id: int = 0, on_error=None):
+                 runner_id: int = 0, tensor_parallel=None):
         super().__init__(target, drafter, mode, page_size, device)
         self.graphs = None  # the forwards run eagerly: collectives are not captured in graphs
         self.group, self.runner_id = group, runner_id
-        self.on_error = on_error  # leader: turns a failed collective into WorkerError
+        # leader: the launch.TensorParallel that turns a failed collective into WorkerError
+        self.tensor_parallel = tensor_parallel
         self._agree = 0
 
     @contextmanager
     def _leading(self, command: str, *args):
         """Leader: sends the command, then runs it; workers: run it. Host reads inside agree."""
         self._agree += 1
+        self.group.active += 1
         try:
             if self.group.leader:
                 self.group.send((command, self.runner_id) + args)
             yield
         except Exception as e:
-            if self.on_error is not None:
-                self.on_error(e)  # raises WorkerError when a worker is gone
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.failed(e)  # raises WorkerError when a worker is gone
             raise
         finally:
             self._agree -= 1
+            self.group.active -= 1
 
     def to_host(self, t):
         if self._agree:  # inside a command: every rank reads the leader's values
