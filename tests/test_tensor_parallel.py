@@ -7,7 +7,9 @@ in float64 an argmax can only flip on a near-tie of that size, and none of these
 (fresh interpreters importing torch), so one group serves the module; a process holds one group
 at a time (the default process group), so `_group` stops the previous one first.
 """
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +280,77 @@ def test_a_failing_worker_is_an_error_naming_it(pair):
     g.group.send(("no such command", 0))
     with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) exited with code 1"):
         dec.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+
+
+def _two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (NCCL puts one rank on each)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,policy", [("ar", "fixed"), ("dflash", "fixed"), ("dspark", "fixed"),
+                                         ("dspark", "async")])
+def test_nccl_greedy_equals_single_gpu(pair, mode, policy):
+    """2 ranks over NCCL (cuda:0, cuda:1) against one GPU, in float32 (the CUDA kernels take no
+    float64): equal up to the first position whose top two float64 target logits lie within
+    1e-3 (a near-tie float32 may order either way in the two reductions)."""
+    from tests.helpers import full_forward_logits
+    _two_gpus()
+    for g in list(_live):
+        _live.pop(g).shutdown()
+    kw = dict(dtype="float32", device="cuda", **_kw(mode, policy))
+    drafter = None if mode == "ar" else pair[1]
+    ref = Decoder.from_pretrained(pair[0], drafter, **kw).generate(PROMPTS, GREEDY, use_tqdm=False)
+    with Decoder.from_pretrained(pair[0], drafter, tensor_parallel_size=2, **kw) as dec:
+        got = dec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ref64 = Qwen3Model.from_pretrained(pair[0], dtype="float64")
+    for prompt, a, b in zip(PROMPTS, ref, got):
+        diff = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if diff is None:
+            continue
+        top2 = full_forward_logits(ref64, list(prompt) + a.token_ids[:diff])[-1].topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-3, f"prompt {prompt}: differs at {diff} without a near-tie"
+
+
+@pytest.mark.gpu
+def test_nccl_killed_worker_is_an_error(pair):
+    """Between calls the leader sees the dead worker before it sends; the error names it."""
+    _two_gpus()
+    for g in list(_live):
+        _live.pop(g).shutdown()
+    dec = Decoder.from_pretrained(*pair, dtype="float32", device="cuda", tensor_parallel_size=2)
+    stream = dec.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    next(stream)
+    dec.tensor_parallel.procs[0].kill()
+    dec.tensor_parallel.procs[0].wait()
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        for _ in stream:
+            pass
+
+
+def test_torchrun_launch(pair, tmp_path):
+    """Ranks started by torchrun (the several-node recipe, here on one node): rank 0 gets the
+    Decoder, rank 1 serves it inside from_pretrained and exits when it shuts down."""
+    import os
+    import subprocess
+    import sys
+    for g in list(_live):
+        _live.pop(g).shutdown()
+    script = tmp_path / "tp_script.py"
+    script.write_text(
+        "import json, sys\nfrom dspark_rt import Decoder, SamplingParams\n"
+        f"dec = Decoder.from_pretrained({str(pair[0])!r}, {str(pair[1])!r}, dtype='float64', "
+        "mode='dspark', tensor_parallel_size=2)\n"
+        "p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)\n"
+        f"out = [o.token_ids for o in dec.generate({PROMPTS[:2]!r}, p, use_tqdm=False)]\n"
+        "dec.shutdown()\nprint('TOKENS', json.dumps(out))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    from dspark_rt.parallel.launch import _free_port
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(_free_port()), str(script)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("TOKENS"))
+    ref = _single(pair, "dspark", "fixed").generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert json.loads(line[len("TOKENS"):]) == [o.token_ids for o in ref]

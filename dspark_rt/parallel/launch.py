@@ -151,34 +151,41 @@ class TensorParallel:
                                   f"code {p.poll()}; the group is shut down")
 
     def failed(self, error: BaseException):
-        """A command failed on the leader: a dead worker is the likely cause; name it."""
+        """A call failed on the leader. The ranks are out of step from then on, so the group
+        stops; the error names a dead worker when one is the cause (it usually is: a peer that
+        is gone fails the leader's collective), else the leader's own failure."""
         if isinstance(error, WorkerError):
             raise error
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
             time.sleep(0.05)
-        self.check()  # raises when a worker is gone
-        msg = str(error).lower()
-        if isinstance(error, RuntimeError) and any(w in msg for w in ("gloo", "nccl", "connection")):
-            self.shutdown()
-            raise WorkerError(f"tensor-parallel collective failed: {error}") from error
+        dead = [(r, p) for r, p in enumerate(self.procs, 1) if p.poll() is not None]
+        self.shutdown(stop=False)  # the workers may sit in a collective: no command reaches them
+        if dead:
+            r, p = dead[0]
+            raise WorkerError(f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code "
+                              f"{p.returncode}; the group is shut down") from error
+        raise WorkerError(f"tensor-parallel rank 0 failed inside a call the ranks run together "
+                          f"({type(error).__name__}: {error}); the group is shut down") from error
 
-    def shutdown(self):
-        """Stops the workers and leaves the process group; idempotent."""
+    def shutdown(self, stop: bool = True):
+        """Stops the workers (stop=False: kills them) and leaves the process group; idempotent."""
         if self.closed:
             return
         self.closed = True
         alive = all(p.poll() is None for p in self.procs)
         group = getattr(self, "group", None)
-        if alive and group is not None:
+        if stop and alive and group is not None:
             group.watch = None
             try:
                 group.send(("stop",))
             except Exception:
-                pass
+                alive = False
+        else:
+            alive = False
         for p in self.procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=30 if alive else 0.5)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
