@@ -354,3 +354,27 @@ def test_torchrun_launch(pair, tmp_path):
     line = next(l for l in r.stdout.splitlines() if l.startswith("TOKENS"))
     ref = _single(pair, "dspark", "fixed").generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert json.loads(line[len("TOKENS"):]) == [o.token_ids for o in ref]
+
+
+def test_workers_stop_at_exit(pair, tmp_path):
+    """A script that never calls shutdown(): its workers stop when it exits, and it exits 0."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "tp_exit.py"
+    script.write_text(
+        "from dspark_rt import Decoder, SamplingParams\n"
+        f"dec = Decoder.from_pretrained({str(pair[0])!r}, {str(pair[1])!r}, dtype='float64', "
+        "tensor_parallel_size=2)\n"
+        "dec.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
+        "print('PID', dec.tensor_parallel.procs[0].pid, flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pid = int(next(l for l in r.stdout.splitlines() if l.startswith("PID")).split()[1])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
