@@ -22,10 +22,11 @@ class WorkerError(RuntimeError):
 
 
 class ParallelRunner(Runner):
+    use_graphs = False  # the forwards run eagerly: collectives are not captured in CUDA graphs
+
     def __init__(self, target, drafter, mode: str, page_size: int, device, group: TPGroup,
                  runner_id: int = 0, tensor_parallel=None):
         super().__init__(target, drafter, mode, page_size, device)
-        self.graphs = None  # the forwards run eagerly: collectives are not captured in graphs
         self.group, self.runner_id = group, runner_id
         # leader: the launch.TensorParallel that turns a failed collective into WorkerError
         self.tensor_parallel = tensor_parallel

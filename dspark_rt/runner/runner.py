@@ -53,6 +53,7 @@ class Draft:
 
 
 class Runner:
+    use_graphs = True  # a subclass whose forwards cannot be captured turns the graphs off
     def __init__(self, target, drafter, mode: str, page_size: int, device):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -81,7 +82,8 @@ class Runner:
         # CUDA graphs per bucket of the verify and draft forwards (runner/graphs.py); on the CPU,
         # or with DSPARK_CUDA_GRAPHS=0, every forward runs eagerly.
         self.graphs = None
-        if self.device.type == "cuda" and os.environ.get("DSPARK_CUDA_GRAPHS", "1") != "0":
+        if self.use_graphs and self.device.type == "cuda" and \
+                os.environ.get("DSPARK_CUDA_GRAPHS", "1") != "0":
             from .graphs import GraphRunner, capture_problem
             if capture_problem(target) is None:
                 self.graphs = GraphRunner.from_runner(self)
