@@ -57,6 +57,12 @@ def test_a_plain_runner_over_sharded_models_refuses(pair):
     assert dec.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].token_ids  # the group goes on
 
 
+def test_one_group_per_process(pair):
+    group("vanilla", *pair)
+    with pytest.raises(RuntimeError, match="one tensor-parallel Decoder per process"):
+        Decoder.from_pretrained(*pair, dtype="float64", tensor_parallel_size=2)
+
+
 def test_serve_state_with_tensor_parallel_size(pair):
     """`dspark-rt serve --tensor-parallel-size 2` builds its Engine on a 2-rank Decoder."""
     from dspark_rt.tools.serve import build_state, parser

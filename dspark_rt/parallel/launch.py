@@ -5,7 +5,7 @@ TensorParallel starts ranks 1 .. N-1 as worker processes (fresh interpreters) th
 meet it over a TCP store on a free localhost port; torch.distributed runs NCCL on CUDA (rank r
 on cuda:r) and gloo on the CPU. Several nodes: torchrun starts every rank (README); rank 0
 returns from from_pretrained with the Decoder, the other ranks serve it and exit when it shuts
-down (attach()).
+down (_join_torchrun).
 A worker that dies makes the leader's next collective fail; the leader then names the rank and
 its exit code (WorkerError) and stops the others: the caller sees an error, not a hang.
 """
@@ -27,7 +27,7 @@ from .comm import TPGroup
 from .layers import load_drafter, load_target
 from .runner import ParallelRunner, WorkerError
 from .shard import Shard
-from .worker import memory_stats, serve
+from .worker import exit_now, memory_stats, serve
 
 __all__ = ["TensorParallel", "WorkerError"]
 
@@ -79,6 +79,10 @@ class TensorParallel:
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
     def _spawn(self, spec: dict):
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel group (or another user of torch.distributed's "
+                               "default process group) is live in this process: shut its "
+                               "Decoder down first (one tensor-parallel Decoder per process)")
         port = _free_port()
         store = dist.TCPStore("127.0.0.1", port, self.size, is_master=True,
                               wait_for_workers=False)
@@ -120,7 +124,7 @@ class TensorParallel:
         control = dist.new_group(backend="gloo") if spec["backend"] != "gloo" else None
         serve(TPGroup(rank, size, control), spec)
         dist.destroy_process_group()
-        sys.exit(0)
+        exit_now(0)
 
     # -- for the Decoder -----------------------------------------------------------------------
 
@@ -197,3 +201,4 @@ class TensorParallel:
                     dist.destroy_process_group()
                 except Exception:
                     pass
+        self._store = None  # the TCP store's server thread stops now, not at interpreter exit

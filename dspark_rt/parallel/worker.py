@@ -18,7 +18,7 @@ from .comm import TPGroup
 from .layers import load_drafter, load_target
 from .runner import ParallelRunner
 
-__all__ = ["serve", "memory_stats", "worker_main"]
+__all__ = ["serve", "memory_stats", "worker_main", "exit_now"]
 
 
 def memory_stats(target, drafter, runners) -> dict:
@@ -58,6 +58,15 @@ def serve(group: TPGroup, spec: dict):
             getattr(runners[rid], {"round": "run_round"}.get(cmd, cmd))(*rest)
 
 
+def exit_now(code: int):
+    """Ends a worker process without interpreter teardown: destroying torch.distributed's
+    background threads there aborts the process now and then ("terminate called without an
+    active exception"), which would turn a clean stop into a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def worker_main(rank: int, size: int, port: int, spec: str):
     """Entry point of a worker process (launch.py); spec: JSON of the launch spec."""
     try:
@@ -72,7 +81,7 @@ def worker_main(rank: int, size: int, port: int, spec: str):
         control = dist.new_group(backend="gloo") if spec["backend"] != "gloo" else None
         serve(TPGroup(rank, size, control), spec)
         dist.destroy_process_group()
+        exit_now(0)
     except BaseException:
         sys.stderr.write(f"dspark_rt tensor-parallel worker rank {rank}:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        os._exit(1)
+        exit_now(1)
