@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint.config import TargetConfig
 from .checkpoint.tensors import resolve_dtype
 from .engine import EngineConfig
 from .engine.engine import Engine
 from .models.drafter import Drafter
-from .models.qwen3 import Qwen3Model
+from .models.qwen3 import Qwen3Model, pick_dtype
 from .outputs import RequestOutput
 from .policies import POLICIES, Calibration, make_policy
 from .policies.sts import CALIBRATION_FILE
@@ -81,12 +82,13 @@ class Decoder:
 
     def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
                  mode=None, policy="fixed", threshold=0.5, sps=None, calibration=None,
-                 page_size=16, seed=0, device="cpu"):
+                 page_size=16, seed=0, device="cpu", tensor_parallel=None):
         self.device = _device(device)
         seed = _seed(seed)
         if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or \
                 not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
+        self.tensor_parallel = tensor_parallel  # parallel.TensorParallel: the worker ranks
         if mode is None:
             mode = "ar" if drafter is None else (
                 "dspark" if drafter.head != "none" or drafter.conf_w is not None else "dflash")
@@ -97,7 +99,8 @@ class Decoder:
             raise ValueError(f"{getattr(tokenizer, 'path', '')}/tokenizer.json has "
                              f"{tokenizer.vocab_size} tokens, more than the target's vocab_size "
                              f"{target.config.vocab_size}: its ids would index past the embedding")
-        self.runner = Runner(target, drafter, mode, page_size, self.device)
+        self.runner = (Runner(target, drafter, mode, page_size, self.device) if tensor_parallel is None
+                       else tensor_parallel.runner(target, drafter, mode, page_size, self.device))
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)} or a VerifyPolicy, got {policy!r}")
         needs_confidence = POLICIES[policy].needs_confidence if isinstance(policy, str) \
@@ -126,6 +129,9 @@ class Decoder:
             raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
         spec, plain, drafting = (tuple(sps) + (None,) * 3)[:3] if isinstance(sps, (tuple, list)) \
             else (sps, None, None)
+        if self.tensor_parallel is not None and (spec is None or (policy == "auto" and None in (plain, drafting))):
+            raise ValueError(f"policy {policy!r} with tensor_parallel_size > 1 needs sps= (the "
+                             "profiler runs on one process; measure it there or pass the tables)")
         from .runner.profiling import load_or_profile  # measures real rounds of this machine
         if spec is None:
             spec = load_or_profile(self.runner)
@@ -138,11 +144,15 @@ class Decoder:
         return make_policy(policy, sps=spec, plain=plain, drafting=drafting)
 
     @classmethod
-    def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None, **kwargs):
+    def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None,
+                        tensor_parallel_size: int = 1, **kwargs):
         """target: a Hugging Face Qwen3 / Llama folder; drafter: a DeepSpec DSpark/DFlash or
         z-lab DFlash folder (or None for plain decoding). Without calibration=, the STS
         temperatures `dspark-rt calibrate` wrote beside the drafter are used when present, else
-        those the drafter's config ships (sts_temperatures); calibration="none": uncalibrated."""
+        those the drafter's config ships (sts_temperatures); calibration="none": uncalibrated.
+        tensor_parallel_size=N > 1 shards both models over N ranks: this process is rank 0, N - 1
+        worker processes are started (NCCL on CUDA, rank r on cuda:r; gloo on the CPU); see
+        shutdown()."""
         device = _device(device)
         cal = kwargs.get("calibration")
         if isinstance(cal, str) and cal == "none":
@@ -151,9 +161,22 @@ class Decoder:
             kwargs["calibration"] = Path(drafter) / CALIBRATION_FILE
         # "auto": the checkpoint's half dtype on a GPU, float32 on the CPU (models.qwen3.pick_dtype)
         dt = None if dtype is None or (isinstance(dtype, str) and dtype == "auto") else resolve_dtype(dtype)
+        tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
+        if tensor_parallel_size != 1:
+            if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+                    or tensor_parallel_size < 1:
+                raise ValueError(f"tensor_parallel_size must be a positive int, got "
+                                 f"{tensor_parallel_size!r}")
+            from .parallel import TensorParallel
+            dt = pick_dtype(TargetConfig.from_json(target), dt, device)
+            tp = TensorParallel(tensor_parallel_size, target, drafter, dt, device)
+            try:
+                return cls(tp.target, tp.drafter, tok, device=device, tensor_parallel=tp, **kwargs)
+            except BaseException:
+                tp.shutdown()
+                raise
         tgt = Qwen3Model.from_pretrained(target, dtype=dt, device=device)
         drf = Drafter.from_pretrained(drafter, tgt, dtype=tgt.dtype, device=device) if drafter else None
-        tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
         shipped = cal is None and kwargs.get("calibration") is None and drf is not None and \
             getattr(drf, "sts_temperatures", None)
         if shipped:  # STS temperatures shipped inside the drafter's config
@@ -162,6 +185,18 @@ class Decoder:
         if shipped:
             dec.calibration_source = f"{Path(drafter) / 'config.json'} (sts_temperatures)"
         return dec
+
+    def shutdown(self):
+        """Stops the tensor-parallel workers (also at exit, and on leaving a `with` block); a
+        single-process Decoder has nothing to stop. The Decoder cannot generate afterwards."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
 
     def new_engine(self, config: EngineConfig | None = None, **kwargs) -> Engine:
         """A new Engine over this Decoder's models (it takes over the KV caches: the previous

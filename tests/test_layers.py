@@ -14,6 +14,7 @@ LAYERS = [
     ("models", ["models"]),
     ("policies", ["policies"]),
     ("runner", ["runner"]),
+    ("tensor parallelism", ["parallel"]),
     ("engine", ["engine"]),
     ("facade", ["decoder", ""]),  # "": the package's own __init__ (the public names)
     ("tools, server, training, test support", ["tools", "server", "train", "testing", "__main__"]),

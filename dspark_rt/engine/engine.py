@@ -215,7 +215,7 @@ class Engine:
 
     def _decode(self, reqs) -> dict:
         reads = self.runner.host_reads
-        res = self.round(self.runner, self._batch(reqs), self.policy, self.calibration)
+        res = self.runner.run_round(self.round, self._batch(reqs), self.policy, self.calibration)
         self.num_rounds += 1
         self.round_host_reads += self.runner.host_reads - reads
         if self.round_log is not None:

@@ -53,6 +53,7 @@ class Draft:
 
 
 class Runner:
+    use_graphs = True  # a subclass whose forwards cannot be captured turns the graphs off
     def __init__(self, target, drafter, mode: str, page_size: int, device):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -81,7 +82,8 @@ class Runner:
         # CUDA graphs per bucket of the verify and draft forwards (runner/graphs.py); on the CPU,
         # or with DSPARK_CUDA_GRAPHS=0, every forward runs eagerly.
         self.graphs = None
-        if self.device.type == "cuda" and os.environ.get("DSPARK_CUDA_GRAPHS", "1") != "0":
+        if self.use_graphs and self.device.type == "cuda" and \
+                os.environ.get("DSPARK_CUDA_GRAPHS", "1") != "0":
             from .graphs import GraphRunner, capture_problem
             if capture_problem(target) is None:
                 self.graphs = GraphRunner.from_runner(self)
@@ -105,6 +107,11 @@ class Runner:
         tcache = self.target.make_cache(num_pages, self.page_size)
         dcache = self.drafter.make_cache(num_pages, self.page_size) if self.drafter is not None else None
         self.tcache, self.dcache = tcache, dcache
+
+    def run_round(self, round_, batch: SeqBatch, policy, calibration):
+        """round_(self, batch, policy, calibration): the engine runs its Round through here, so a
+        runner that drives other processes (parallel.ParallelRunner) starts it on them too."""
+        return round_(self, batch, policy, calibration)
 
     # -- host <-> device ---------------------------------------------------------------------
 

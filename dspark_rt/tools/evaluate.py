@@ -63,7 +63,7 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
              threshold: float = 0.5, calibration=None, sps=None, out_dir="out/eval",
              max_tokens: int = 128, limit: int | None = None, temperature: float = 0.0,
              batch_size: int = 8, chat: bool = False, device="cpu", dtype=None,
-             progress: bool = True) -> dict:
+             progress: bool = True, tensor_parallel_size: int = 1) -> dict:
     """Decode prompts_file with (target, drafter) and write summary.json + plots to out_dir.
 
     mode / policy / threshold / calibration as in Decoder; sps: an SPSProfile or its JSON path
@@ -72,10 +72,15 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     Returns the summary dict."""
     read_turns(prompts_file, limit)  # a bad prompt file fails before any model is loaded
     dec = Decoder.from_pretrained(target, drafter, mode=mode, policy="fixed", device=device,
-                                  dtype=dtype)
+                                  dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     if policy != "fixed" and dec.mode != "ar" and not dec.runner.has_confidence:
+        dec.shutdown()
         raise ValueError(f"--policy {policy} needs a drafter with a confidence head; {drafter} "
                          f"has none (mode {dec.mode}): use --policy fixed")
+    if policy in ("sync", "async", "auto") and sps is None and tensor_parallel_size > 1:
+        dec.shutdown()
+        raise ValueError(f"--policy {policy} with --tensor-parallel-size needs --sps (the "
+                         "profiler runs on one process)")
     if policy in ("sync", "async", "auto") and sps is None:
         from ..runner.profiling import load_or_profile
         sps = load_or_profile(dec.runner, progress=progress)
@@ -83,7 +88,7 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
         kw = {"threshold": threshold} if policy == "threshold" else {}
         dec = Decoder(dec.target, dec.drafter, dec.tokenizer, mode=dec.mode, policy=policy,
                       sps=sps, calibration=calibration or dec.calibration_source,
-                      device=dec.device, **kw)
+                      device=dec.device, tensor_parallel=dec.tensor_parallel, **kw)
     prompts = prompts_for(dec, prompts_file, max_tokens=max_tokens, limit=limit, chat=chat)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     outs, log, seconds = decode_logged(dec, prompts, params, batch_size=batch_size,
@@ -157,8 +162,11 @@ def main(argv=None) -> int:
                     "cached profile of this machine, measured now if there is none)")
     ap.add_argument("--out", default="out/eval", help="folder for summary.json and the plots")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks to shard the models over (this process and N - 1 workers)")
     a = parse_tool_args(ap, argv)
     return run_tool(ap, evaluate, a.target, a.drafter, a.prompts, mode=a.mode, policy=a.policy,
                     threshold=a.threshold, calibration=a.calibration, sps=a.sps, out_dir=a.out,
                     max_tokens=a.max_tokens, limit=a.limit, temperature=a.temperature,
-                    batch_size=a.batch_size, chat=a.chat, device=a.device, dtype=a.dtype)
+                    batch_size=a.batch_size, chat=a.chat, device=a.device, dtype=a.dtype,
+                    tensor_parallel_size=a.tensor_parallel_size)

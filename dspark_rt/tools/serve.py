@@ -15,7 +15,8 @@ CALIBRATION = "dspark_calibration.json"  # what `dspark-rt calibrate` writes nex
 
 def build_state(target, drafter=None, *, mode=None, policy="fixed", threshold=0.5,
                 calibration=None, served_model_name=None, max_num_seqs=32, num_pages=None,
-                max_num_batched_tokens=None, max_waiting=1024, device="cpu", dtype=None, seed=0):
+                max_num_batched_tokens=None, max_waiting=1024, device="cpu", dtype=None, seed=0,
+                tensor_parallel_size=1):
     """The Decoder's models, a fresh Engine of these sizes, and the server state over it.
     num_pages (default): every running request can hold the whole context at once."""
     from ..decoder import Decoder
@@ -26,7 +27,7 @@ def build_state(target, drafter=None, *, mode=None, policy="fixed", threshold=0.
         calibration = Path(drafter) / CALIBRATION
     dec = Decoder.from_pretrained(target, drafter, device=device, dtype=dtype, mode=mode,
                                   policy=policy, threshold=threshold, calibration=calibration,
-                                  seed=seed)
+                                  seed=seed, tensor_parallel_size=tensor_parallel_size)
     per_seq = -(-(dec.max_model_len + dec.runner.gamma + 2) // dec.runner.page_size)
     budget = max_num_batched_tokens or max(2048, max_num_seqs * (1 + dec.runner.gamma))
     eng = dec.new_engine(EngineConfig(num_pages=num_pages or max_num_seqs * per_seq,
@@ -59,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", choices=DTYPES)
     ap.add_argument("--seed", type=int, default=0, help="Philox key of requests without a seed")
+    ap.add_argument("--tensor-parallel-size", type=positive(int), default=1,
+                    help="ranks to shard the models over (this process and N - 1 workers; "
+                    "NCCL on CUDA, gloo on the CPU)")
     ap.add_argument("--log-level", default="info")
     return ap
 
@@ -79,7 +83,8 @@ def main(argv=None) -> int:
                             served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
                             num_pages=a.num_pages, max_num_batched_tokens=a.max_num_batched_tokens,
                             max_waiting=a.max_waiting, device=a.device,
-                            dtype=None if a.dtype == "auto" else a.dtype, seed=a.seed)
+                            dtype=None if a.dtype == "auto" else a.dtype, seed=a.seed,
+                            tensor_parallel_size=a.tensor_parallel_size)
     except (ValueError, OSError) as e:
         ap.exit(2, f"dspark-rt serve: error: {e}\n")
     uvicorn.run(build_app(state), host=a.host, port=a.port, log_level=a.log_level)
