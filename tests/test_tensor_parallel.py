@@ -14,21 +14,11 @@ from dspark_rt.engine import EngineConfig
 from dspark_rt.models.qwen3 import Qwen3Model
 from dspark_rt.parallel import shard as shard_mod
 from dspark_rt.parallel.shard import Shard
-from tests.tp_support import GREEDY, PROMPTS, group, parallel, single, stop_all
+from tests.tp_support import (GREEDY, PROMPTS, _stop_groups, group, pair, parallel,  # noqa: F401
+                              single, stop_all)
 
 CASES = [("ar", "fixed"), ("dflash", "fixed"), ("dspark", "fixed"), ("dspark", "threshold"),
          ("dspark", "sync"), ("dspark", "async"), ("dspark", "auto")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_groups():
-    yield
-    stop_all()
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_target, tiny_drafters):
-    return tiny_target, tiny_drafters("vanilla", 4)
 
 
 @pytest.fixture(scope="module")

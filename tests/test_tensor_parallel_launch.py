@@ -14,19 +14,8 @@ from dspark_rt import Decoder, SamplingParams
 from dspark_rt.models.qwen3 import Qwen3Model
 from dspark_rt.parallel import WorkerError
 from dspark_rt.parallel.launch import _free_port
-from tests.tp_support import (GREEDY, PROMPTS, group, kw, parallel, script_env, single,
-                              stop_all)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_groups():
-    yield
-    stop_all()
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_target, tiny_drafters):
-    return tiny_target, tiny_drafters("vanilla", 4)
+from tests.tp_support import (GREEDY, PROMPTS, _stop_groups, group, kw, pair,  # noqa: F401
+                              parallel, script_env, single, stop_all)
 
 
 def test_from_pretrained_and_shutdown(pair):

@@ -5,6 +5,7 @@ interpreters importing torch), so tests reuse it."""
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from dspark_rt import Decoder, SamplingParams
@@ -36,7 +37,7 @@ def kw(mode, policy) -> dict:
     if policy in ("sync", "async"):
         out["sps"] = SPS
     if policy == "auto":
-        out["sps"] = (SPS, SPS)
+        out["sps"] = (SPS, SPS, SPS)  # speculative, plain and no-draft rounds
     return out
 
 
@@ -55,3 +56,15 @@ def script_env() -> dict:
     """The environment of a subprocess that imports this checkout's dspark_rt."""
     root = str(Path(__file__).resolve().parents[1])
     return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+# fixtures of both tensor-parallel test files (imported there by name)
+@pytest.fixture(scope="module", autouse=True)
+def _stop_groups():
+    yield
+    stop_all()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target, tiny_drafters):
+    return tiny_target, tiny_drafters("vanilla", 4)

@@ -117,6 +117,12 @@ def load_drafter(path: str, target: ShardedQwen3, group: TPGroup) -> Drafter:
     # the backbone's heads and MLP width are this rank's; the vocabulary stays whole (the heads)
     local = dataclasses.replace(dcfg, model=dataclasses.replace(shard.local_config(),
                                                                 vocab_size=dcfg.vocab_size))
-    model = Drafter.from_tensors(local, shard.load(ckpt, required, target.dtype, target.device), target)
+    # the optional tensor the runner reads (the rest are copies of the target's, not loaded)
+    names = list(required) + [n for n in ("confidence_head.proj.bias",)
+                              if n in optional and n in ckpt.entries]
+    tensors = shard.load(ckpt, names, target.dtype, target.device)
+    if dcfg.confidence and "confidence_head.proj.bias" not in tensors:  # a head without bias
+        tensors["confidence_head.proj.bias"] = tensors["confidence_head.proj.weight"].new_zeros(1)
+    model = Drafter.from_tensors(local, tensors, target)
     _row_parallel(model.layers, group)
     return model
