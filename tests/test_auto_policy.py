@@ -39,6 +39,7 @@ def test_it_picks_the_faster_round(plain_tokens, plain_speed, expect):
     assert (drafted > 0) == (expect == "speculative" or pol.rounds["speculative"] > 0)
 
 
+
 def _context(dec, out):
     """The drafter context K of the full pages of a finished request's committed tokens (the
     prefix cache keeps them): a function of the token prefix alone."""
@@ -65,6 +66,22 @@ def test_switching_every_round_keeps_greedy_output_and_drafter_context(plain_tok
     torch.testing.assert_close(_context(dec, outs[0]), _context(ref, ref_outs[0]), rtol=1e-9, atol=1e-9)
 
 
+def test_when_every_draft_pays_it_verifies_all_unread(plain_tokens):
+    """A flat speculative profile (a verified draft costs nothing): the estimates say every draft
+    pays, so most rounds verify all of them without reading the confidences (one device read
+    per round, as under fixed); one in explore_every still reads them."""
+    flat = SPSProfile([1, 4096], [1.0, 1.0])
+    pol = AutoPolicy(flat, flat.scaled(0.1), explore_every=4)
+    dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=pol, dtype="float64",
+                                  calibration="none")
+    outs = dec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_tokens
+    r = pol.rounds
+    assert r["plain"] == 0 and r["speculative"] // 2 < r["blind"] < r["speculative"], r
+    e = dec.engine
+    assert e.round_host_reads == 2 * e.num_rounds - r["blind"]  # a read round reads twice
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="decay"):
         AutoPolicy(SPEC, SPEC, decay=1.0)
@@ -80,7 +97,7 @@ def test_drafting_cost_of_many_requests_is_counted():
     sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])         # R = ceil(B / 8) requests
     drafting = SPSProfile([1, 8, 32], [80.0, 15.0, 5.0])               # R requests, no drafts
     estimate = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
-    decide = lambda pol, R: pol._decide([7] * R, 7)
+    decide = lambda pol, R: pol._decide([7] * R, 7)[0]
     naive, costed = AutoPolicy(sps, plain), AutoPolicy(sps, plain, drafting)
     for pol in (naive, costed):
         pol.estimate = np.array(estimate)

@@ -15,13 +15,16 @@ drafting for many requests (sps is measured with R = ceil(B / (gamma + 1))). The
 the coming round are estimated per draft position from the calibrated
 survivals of past rounds (an exponential average), and the speculative side takes the best n
 (Algorithm 1's objective, with the estimates for every request). A speculative round then
-chooses its lengths with Algorithm 1 on its own confidences (SyncScheduler).
+chooses its lengths with Algorithm 1 on its own confidences (SyncScheduler), except when the
+estimates say every draft pays: then it verifies them all without reading the confidences (as
+"fixed" does), reading them again at least once in explore_every rounds.
 
 Losslessness: whether a round drafts depends on earlier rounds only, never on anything drawn in
 it (DESIGN §4, as for the async budget). To keep the estimates fresh while plain rounds win, one
 round in `explore_every` speculates anyway.
 """
 import numpy as np
+import torch
 
 from .prefix import SyncScheduler, _as_profile
 
@@ -48,34 +51,48 @@ class AutoPolicy(SyncScheduler):
         self.decay, self.explore_every = decay, explore_every
         self.estimate: np.ndarray | None = None  # [gamma] expected survival by position
         self._plain_run = 0                        # plain rounds since the last speculative one
-        self.rounds = {"plain": 0, "speculative": 0}
+        self._blind_run = 0                        # rounds verified blind since the last read
+        self._blind = False                        # this round verifies every draft unread
+        self.rounds = {"plain": 0, "speculative": 0, "blind": 0}
+
+    @property
+    def needs_confidence(self) -> bool:
+        """False for a round the estimates say verifies every draft: its confidences are not
+        read (one device read fewer, as under "fixed")."""
+        return not self._blind
 
     def speculates(self, caps: list[int], gamma: int) -> bool:
         R = len(caps)
-        spec = self._decide(caps, gamma)
+        spec, everything = self._decide(caps, gamma)
         if not spec and self.explore_every and self._plain_run + 1 >= self.explore_every:
             spec = True
+        # blind rounds do not refresh the estimates: one in explore_every reads the confidences
+        fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
+        self._blind = spec and everything and fresh
+        self._blind_run = self._blind_run + 1 if self._blind else 0
         self._plain_run = 0 if spec else self._plain_run + 1
         self.rounds["speculative" if spec else "plain"] += 1
-        self.last_stats = {"speculates": spec, "R": R}
+        self.rounds["blind"] += self._blind
+        self.last_stats = {"speculates": spec, "blind": self._blind, "R": R}
         return spec
 
-    def _decide(self, caps, gamma) -> bool:
+    def _decide(self, caps, gamma) -> tuple[bool, bool]:
+        """(whether drafting pays, whether the best round verifies every draft)."""
         R = len(caps)
         if self.estimate is None or R > self.max_tokens or R > self.plain.max_tokens:
-            return True  # nothing known yet (or outside the profiles): speculate and learn
+            return True, False  # nothing known yet (or outside the profiles): speculate and learn
         a = np.where(np.arange(1, gamma + 1)[None, :] <= np.asarray(caps)[:, None],
                      self.estimate[None, :gamma], -np.inf)
         flat = a.ravel()
         sorted_a = -np.sort(-flat[np.isfinite(flat)])
         if self.drafting is None or R > self.drafting.max_tokens:
-            theta_spec = float(self._theta(R, sorted_a).max())
+            theta = self._theta(R, sorted_a)
         else:
             n = np.arange(min(len(sorted_a), self.max_tokens - R) + 1)
             tokens = R + np.concatenate([[0.0], np.cumsum(sorted_a[: len(n) - 1])])
-            seconds = 1.0 / float(self.drafting(R)) + self._verify_s(R + n) - self._verify_s(R)
-            theta_spec = float((tokens / seconds).max())
-        return theta_spec > R * float(self.plain(R))
+            theta = tokens / (1.0 / float(self.drafting(R)) + self._verify_s(R + n) - self._verify_s(R))
+        best = int(np.argmax(theta))
+        return float(theta[best]) > R * float(self.plain(R)), best == len(sorted_a)
 
     def _verify_s(self, B):
         """Seconds of a plain round of B tokens, linear beyond the plain profile's last point."""
@@ -87,6 +104,8 @@ class AutoPolicy(SyncScheduler):
         return t + np.maximum(B - M, 0) * max(slope, 0.0)
 
     def lengths(self, c_hat, survival, cap, gamma):
+        if survival is None:  # a blind round: every draft the caps allow
+            return torch.clamp(cap, max=gamma)
         a = survival[:, :gamma].detach().to("cpu").double().numpy()
         if a.size:  # every request's survivals by position inform the next decisions
             mean = np.nan_to_num(a, nan=0.0).mean(axis=0)
