@@ -98,7 +98,8 @@ def test_ranks_read_only_their_slices(tiny_target, monkeypatch):
     """No rank reads a sharded tensor whole: get_tensor only for the replicated ones, and the
     slices put together give the checkpoint's tensors."""
     whole = {}
-    real_open = shard_mod.safe_open
+    from dspark_rt.checkpoint import tensors as tensors_mod
+    real_open = tensors_mod.safe_open
 
     class Spy:
         def __init__(self, *a, **k):
@@ -118,12 +119,15 @@ def test_ranks_read_only_their_slices(tiny_target, monkeypatch):
         def get_slice(self, name):
             return self.f.get_slice(name)
 
-    monkeypatch.setattr(shard_mod, "safe_open", Spy)
+        def __getattr__(self, attr):  # headers (keys, metadata) as the real file has them
+            return getattr(self.f, attr)
+
     from dspark_rt.checkpoint import Checkpoint, target_specs
     from dspark_rt.checkpoint import TargetConfig
     cfg = TargetConfig.from_json(tiny_target)
     ckpt = Checkpoint(tiny_target)
     names = list(target_specs(cfg)[0])
+    monkeypatch.setattr(tensors_mod, "safe_open", Spy)  # the one tensor reader (headers read above)
     parts = [Shard(cfg, r, 2).load(ckpt, names, torch.float64, "cpu") for r in range(2)]
     assert whole and all(n.endswith("norm.weight") for n in whole), sorted(whole)
     ref = Qwen3Model.from_pretrained(tiny_target, dtype="float64")

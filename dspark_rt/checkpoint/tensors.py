@@ -133,9 +133,12 @@ class Checkpoint:
         e = self.entries[name]
         return e[3] if len(e) > 3 else name
 
-    def load(self, names, dtype, device) -> dict:
-        """Reads the named tensors, cast to dtype, on device."""
+    def load(self, names, dtype, device, slices=None) -> dict:
+        """Reads the named tensors, cast to dtype, on device. slices: name -> (dim, lo, hi) to
+        read only rows (dim 0) or columns (dim 1) lo .. hi-1 of a tensor (tensor parallelism);
+        names without one are read whole."""
         dtype, device = resolve_dtype(dtype), torch.device(device)
+        slices = slices or {}
         by_file = {}
         for name in names:
             by_file.setdefault(self.file_of(name), []).append(name)
@@ -143,7 +146,13 @@ class Checkpoint:
         for fpath, group in by_file.items():
             with safe_open(fpath, framework="pt", device=str(device)) as f:
                 for name in group:
-                    out[name] = f.get_tensor(self.stored_name(name)).to(dtype)
+                    if slices.get(name) is None:
+                        t = f.get_tensor(self.stored_name(name))
+                    else:
+                        dim, lo, hi = slices[name]
+                        part = f.get_slice(self.stored_name(name))
+                        t = part[lo:hi] if dim == 0 else part[:, lo:hi]
+                    out[name] = t.to(dtype)
         return out
 
 

@@ -11,7 +11,6 @@ import dataclasses
 import re
 
 import torch
-from safetensors import safe_open
 
 from ..checkpoint import Checkpoint, resolve_dtype
 from ..checkpoint import TargetConfig
@@ -80,20 +79,4 @@ class Shard:
 
 def load_slices(ckpt: Checkpoint, slices: dict, dtype, device) -> dict:
     """slices: name -> (dim, lo, hi) or None (whole). Reads only those bytes of each file."""
-    dtype, device = resolve_dtype(dtype), torch.device(device)
-    by_file = {}
-    for name in slices:
-        by_file.setdefault(ckpt.file_of(name), []).append(name)
-    out = {}
-    for fpath, group in by_file.items():
-        with safe_open(fpath, framework="pt", device="cpu") as f:
-            for name in group:
-                s = slices[name]
-                if s is None:
-                    t = f.get_tensor(name)
-                else:
-                    dim, lo, hi = s
-                    sl = f.get_slice(name)
-                    t = sl[lo:hi] if dim == 0 else sl[:, lo:hi]
-                out[name] = t.to(device=device, dtype=dtype)
-    return out
+    return ckpt.load(list(slices), dtype, device, slices)

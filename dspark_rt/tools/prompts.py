@@ -7,6 +7,7 @@ Also here: the argument parsing the calibrate / profile / eval commands share (e
 checked as it is parsed, so a bad one is reported under its own name).
 """
 import json
+import math
 import logging
 from pathlib import Path
 
@@ -108,8 +109,8 @@ def existing_file(path):
     return path
 
 
-def positive(kind):
-    """argparse type: a number of `kind` > 0."""
+def positive(kind, zero_ok=False):
+    """argparse type: a finite number of `kind` > 0 (>= 0 with zero_ok)."""
     import argparse
 
     def parse(s):
@@ -117,8 +118,9 @@ def positive(kind):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a valid {kind.__name__}") from None
-        if not 0 < v < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {s}")
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'} and finite, "
+                                             f"got {s}")
         return v
     return parse
 

@@ -10,25 +10,13 @@ The corpus defaults to this interpreter's standard library (*.py, tests skipped)
 """
 import argparse
 import json
-import math
 import sys
 
 import torch
 
+from ..tools.prompts import positive
+
 __all__ = ["main"]
-
-
-def _positive(kind, zero_ok=False):
-    """argparse type: a finite number of `kind` > 0 (>= 0 with zero_ok)."""
-    def parse(s):
-        try:
-            v = kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r} is not a valid {kind.__name__}") from None
-        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
-            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'}, got {s}")
-        return v
-    return parse
 
 
 def _existing(s):
@@ -52,20 +40,20 @@ def _layer_ids(s):
 
 def _corpus_args(p):
     p.add_argument("--corpus", type=_existing, help="folder of *.py files (default: the running Python's stdlib)")
-    p.add_argument("--max-bytes", type=_positive(int), default=6_000_000, help="cap on training text")
+    p.add_argument("--max-bytes", type=positive(int), default=6_000_000, help="cap on training text")
 
 
 def _loop_args(p, steps, batch, lr, warmup):
-    p.add_argument("--steps", type=_positive(int), default=steps)
-    p.add_argument("--batch", type=_positive(int), default=batch, help="sequences per step")
-    p.add_argument("--lr", type=_positive(float), default=lr)
-    p.add_argument("--warmup", type=_positive(int, zero_ok=True), default=warmup)
-    p.add_argument("--weight-decay", type=_positive(float, zero_ok=True), default=0.1)
-    p.add_argument("--save-every", type=_positive(int), default=50, help="steps between resumable saves")
+    p.add_argument("--steps", type=positive(int), default=steps)
+    p.add_argument("--batch", type=positive(int), default=batch, help="sequences per step")
+    p.add_argument("--lr", type=positive(float), default=lr)
+    p.add_argument("--warmup", type=positive(int, zero_ok=True), default=warmup)
+    p.add_argument("--weight-decay", type=positive(float, zero_ok=True), default=0.1)
+    p.add_argument("--save-every", type=positive(int), default=50, help="steps between resumable saves")
     p.add_argument("--resume", action="store_true", help="continue from <out>/train_state.pt")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the loss (about 2 min to compile; faster long runs)")
-    p.add_argument("--threads", type=_positive(int, zero_ok=True), default=0,
+    p.add_argument("--threads", type=positive(int, zero_ok=True), default=0,
                    help="torch threads (0: leave as is)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -77,22 +65,22 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer")
     p.add_argument("--out", required=True)
-    p.add_argument("--vocab", type=_positive(int), default=2048)
-    p.add_argument("--ctx", type=_positive(int), default=512, help="model_max_length written to the config")
+    p.add_argument("--vocab", type=positive(int), default=2048)
+    p.add_argument("--ctx", type=positive(int), default=512, help="model_max_length written to the config")
     p.add_argument("--seed", type=int, default=0)
     _corpus_args(p)
 
     p = sub.add_parser("target", help="pretrain the tiny Qwen3 target")
     p.add_argument("--tokenizer", required=True, type=_existing, help="folder written by the tokenizer stage")
     p.add_argument("--out", required=True)
-    p.add_argument("--hidden", type=_positive(int), default=256)
-    p.add_argument("--layers", type=_positive(int), default=4)
-    p.add_argument("--heads", type=_positive(int), default=4)
-    p.add_argument("--kv-heads", type=_positive(int), default=2)
-    p.add_argument("--head-dim", type=_positive(int), default=64)
-    p.add_argument("--intermediate", type=_positive(int), default=768)
-    p.add_argument("--ctx", type=_positive(int), default=512)
-    p.add_argument("--seq", type=_positive(int), default=512, help="training sequence length")
+    p.add_argument("--hidden", type=positive(int), default=256)
+    p.add_argument("--layers", type=positive(int), default=4)
+    p.add_argument("--heads", type=positive(int), default=4)
+    p.add_argument("--kv-heads", type=positive(int), default=2)
+    p.add_argument("--head-dim", type=positive(int), default=64)
+    p.add_argument("--intermediate", type=positive(int), default=768)
+    p.add_argument("--ctx", type=positive(int), default=512)
+    p.add_argument("--seq", type=positive(int), default=512, help="training sequence length")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the written weights")
     _corpus_args(p)
     _loop_args(p, steps=400, batch=8, lr=2e-3, warmup=30)
@@ -100,14 +88,14 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regen", help="target-generated continuations (drafter training data)")
     p.add_argument("--target", required=True, type=_existing)
     p.add_argument("--out", required=True, help=".pt file")
-    p.add_argument("--num", type=_positive(int), default=1024, help="sequences")
-    p.add_argument("--prompt-len", type=_positive(int), default=128)
-    p.add_argument("--new-tokens", type=_positive(int), default=128)
-    p.add_argument("--batch", type=_positive(int), default=64)
-    p.add_argument("--temperature", type=_positive(float, zero_ok=True), default=0.8,
+    p.add_argument("--num", type=positive(int), default=1024, help="sequences")
+    p.add_argument("--prompt-len", type=positive(int), default=128)
+    p.add_argument("--new-tokens", type=positive(int), default=128)
+    p.add_argument("--batch", type=positive(int), default=64)
+    p.add_argument("--temperature", type=positive(float, zero_ok=True), default=0.8,
                    help="odd sequences are sampled at this temperature, even ones greedy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=_positive(int, zero_ok=True), default=0)
+    p.add_argument("--threads", type=positive(int, zero_ok=True), default=0)
     _corpus_args(p)
 
     p = sub.add_parser("drafter", help="train a DSpark or DFlash drafter against a frozen target")
@@ -116,9 +104,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=_existing, help="regen .pt file (default: corpus windows)")
     p.add_argument("--head", default="vanilla", choices=["vanilla", "gated", "rnn", "none"],
                    help="sequential head; none = DFlash")
-    p.add_argument("--gamma", type=_positive(int), default=7, help="block size (drafts per round)")
-    p.add_argument("--layers", type=_positive(int), default=1, help="drafter decoder layers")
-    p.add_argument("--rank", type=_positive(int), default=128, help="Markov rank r")
+    p.add_argument("--gamma", type=positive(int), default=7, help="block size (drafts per round)")
+    p.add_argument("--layers", type=positive(int), default=1, help="drafter decoder layers")
+    p.add_argument("--rank", type=positive(int), default=128, help="Markov rank r")
     p.add_argument("--target-layer-ids", default=None, type=_layer_ids,
                    help="comma-separated target layers for the context features "
                         "(default: evenly spaced, final layer excluded)")
@@ -126,16 +114,16 @@ def parser() -> argparse.ArgumentParser:
                    help="confidence head (auto: with a sequential head only)")
     p.add_argument("--upgrade-dflash", metavar="DIR", type=_existing,
                    help="start from this DFlash drafter, freeze its backbone, train the heads")
-    p.add_argument("--anchors", type=_positive(int), default=32, help="anchors (blocks) per sequence")
-    p.add_argument("--seq", type=_positive(int), default=256, help="sequence length (corpus windows)")
+    p.add_argument("--anchors", type=positive(int), default=32, help="anchors (blocks) per sequence")
+    p.add_argument("--seq", type=positive(int), default=256, help="sequence length (corpus windows)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the written weights")
     _corpus_args(p)
     _loop_args(p, steps=300, batch=8, lr=3e-3, warmup=20)
 
     p = sub.add_parser("prompts", help="held-out corpus windows as a JSONL prompt file")
     p.add_argument("--out", required=True)
-    p.add_argument("--num", type=_positive(int), default=64)
-    p.add_argument("--chars", type=_positive(int), default=600, help="characters per prompt (about)")
+    p.add_argument("--num", type=positive(int), default=64)
+    p.add_argument("--chars", type=positive(int), default=600, help="characters per prompt (about)")
     p.add_argument("--seed", type=int, default=0)
     _corpus_args(p)
     return ap
