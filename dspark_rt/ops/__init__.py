@@ -51,7 +51,8 @@ def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
             backend = forced
         else:
             backend = "cuda" if device.type == "cuda" else "cpp"
-            if backend not in available_backends() or dtype not in _float_dtypes(backend):
+            if backend not in available_backends() or (dtype is not None and
+                                                        dtype not in _float_dtypes(backend)):
                 backend = "reference"
     if backend not in ("reference", "cpp", "cuda"):
         fail(op, f"backend must be 'reference', 'cpp' or 'cuda', got {backend!r}")
