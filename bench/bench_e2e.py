@@ -86,7 +86,7 @@ class Models:
         auto also gets the profiles of plain rounds and of rounds that verify no draft."""
         if self._sps is None:
             from dspark_rt.runner import Runner
-            from dspark_rt.runner.profiling import load_or_profile
+            from dspark_rt.runner.profiling import load_or_profile_jointly
             if self.random:
                 target, drafter = self._pair
             else:
@@ -95,9 +95,9 @@ class Models:
             kw = dict(seconds=self.args.profile_seconds, max_batch=max(self.args.batch),
                       context_len=self.args.prompt_len if self.random else None, progress=False)
             spec = Runner(target, drafter, "dspark", 16, self.device)
-            self._sps = (load_or_profile(spec, **kw),
-                         load_or_profile(Runner(target, None, "ar", 16, self.device), **kw),
-                         load_or_profile(spec, shape="no_drafts", **kw))
+            plain = Runner(target, None, "ar", 16, self.device)  # measured together, interleaved
+            self._sps = tuple(load_or_profile_jointly([(spec, "spread"), (plain, "spread"),
+                                                       (spec, "no_drafts")], **kw))
         return self._sps if policy == "auto" else self._sps[0]
 
 

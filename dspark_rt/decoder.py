@@ -132,15 +132,17 @@ class Decoder:
         if self.tensor_parallel is not None and (spec is None or (policy == "auto" and None in (plain, drafting))):
             raise ValueError(f"policy {policy!r} with tensor_parallel_size > 1 needs sps= (the "
                              "profiler runs on one process; measure it there or pass the tables)")
-        from .runner.profiling import load_or_profile  # measures real rounds of this machine
-        if spec is None:
-            spec = load_or_profile(self.runner)
+        from .runner.profiling import load_or_profile_jointly  # measures real rounds of this machine
         if policy != "auto":
-            return make_policy(policy, sps=spec)
-        if plain is None:
-            plain = load_or_profile(Runner(self.target, None, "ar", self.runner.page_size, self.device))
-        if drafting is None:
-            drafting = load_or_profile(self.runner, shape="no_drafts")
+            return make_policy(policy, sps=spec or load_or_profile_jointly([(self.runner, "spread")])[0])
+        # the three measured together: auto decides on their ratios
+        plain_runner = Runner(self.target, None, "ar", self.runner.page_size, self.device)
+        given = [spec, plain, drafting]
+        items = [(self.runner, "spread"), (plain_runner, "spread"), (self.runner, "no_drafts")]
+        todo = [i for i, p in enumerate(given) if p is None]
+        for i, prof in zip(todo, load_or_profile_jointly([items[i] for i in todo]) if todo else []):
+            given[i] = prof
+        spec, plain, drafting = given
         return make_policy(policy, sps=spec, plain=plain, drafting=drafting)
 
     @classmethod

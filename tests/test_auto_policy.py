@@ -103,3 +103,25 @@ def test_drafting_cost_of_many_requests_is_counted():
         pol.estimate = np.array(estimate)
     assert decide(naive, 8) and not decide(costed, 8)   # 8 x 8 tokens of drafting does not pay
     assert decide(costed, 1)                             # one request: 1 + 4.2 tokens for ~1.6x
+
+
+def test_exploring_rounds_draft_for_a_few_requests(plain_tokens):
+    """While plain rounds win, an exploring round drafts for explore_share of the batch only (in
+    turn), and the estimates learn from those requests' survivals alone; greedy output stays
+    plain decoding's."""
+    pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=2, explore_share=0.25)
+    seen = []
+    draft_caps = pol.draft_caps
+    pol.draft_caps = lambda caps: seen.append((caps, draft_caps(caps))) or seen[-1][1]
+    outs = _run(pol)
+    assert [o.token_ids for o in outs] == plain_tokens
+    explored = [(before, after) for before, after in seen if len(before) >= 4 and after != before]
+    assert explored, seen
+    for before, after in explored:
+        kept = [i for i, c in enumerate(after) if c > 0]
+        assert 1 <= len(kept) <= max(1, len(before) // 4)
+        assert all(after[i] == before[i] for i in kept)
+    starts = {tuple(i for i, c in enumerate(a) if c > 0) for _, a in explored}
+    assert len(starts) > 1, "the exploring requests must rotate"
+    with pytest.raises(ValueError, match="explore_share"):
+        AutoPolicy(SPEC, SPEC, explore_share=0.0)

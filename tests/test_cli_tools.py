@@ -106,8 +106,8 @@ def test_profile_runner_table(tiny_target, drafter):
 def test_load_or_profile_reuses_cache(tiny_target, drafter, tmp_path, monkeypatch, caplog):
     dec = Decoder.from_pretrained(tiny_target, drafter)
     calls = []
-    real = profiling.profile_runner
-    monkeypatch.setattr(profiling, "profile_runner", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = profiling.profile_runners
+    monkeypatch.setattr(profiling, "profile_runners", lambda *a, **k: calls.append(1) or real(*a, **k))
     kw = dict(B_values=PROFILE["B_values"], seconds=0.1, max_batch=2, progress=False)
     first = profiling.load_or_profile(dec.runner, tmp_path, context_len=16, **kw)
     second = profiling.load_or_profile(dec.runner, tmp_path, context_len=16, **kw)

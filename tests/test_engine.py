@@ -174,14 +174,24 @@ def test_prefix_cache_keeps_outputs_and_acceptance(pair, drafter_cached):
                                                ("dspark", "threshold", 2), ("dspark", "sync", 2)])
 def test_host_reads_per_round(pair, mode, policy, reads):
     """A round reads the device once (its results); a host-side policy that reads confidences
-    (threshold, sync) adds one; async admits on the device."""
+    (threshold, sync) adds one in every round that drafts (a round where no request may verify
+    a draft, the last token of each, drafts nothing); async admits on the device."""
     from dspark_rt.policies.sps import SPSProfile
     sps = SPSProfile.from_pairs({B: 1000.0 / (1.0 + B / 4.0) for B in range(1, 65)})
     dec = Decoder.from_pretrained(pair[0], None if mode == "ar" else pair[1], mode=mode,
                                   policy=policy, **({"sps": sps} if policy in ("sync", "async") else {}))
+    rnd, drafted = dec.engine.round, []
+    draft = rnd.draft
+
+    def counted(*a):
+        d = draft(*a)
+        drafted.extend([1] if d is not None else [])
+        return d
+    rnd.draft = counted
     dec.generate([[1, 2], [3, 4, 5], [6]], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
     e = dec.engine
-    assert e.num_rounds > 3 and e.round_host_reads == reads * e.num_rounds
+    assert e.num_rounds > 3 and len(drafted) >= (e.num_rounds - 3 if mode != "ar" else 0)
+    assert e.round_host_reads == e.num_rounds + (reads - 1) * len(drafted)
 
 
 def _reads_per_step(dec, logprobs: bool, log_rounds: bool) -> tuple[int, int]:

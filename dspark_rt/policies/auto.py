@@ -21,7 +21,9 @@ estimates say every draft pays: then it verifies them all without reading the co
 
 Losslessness: whether a round drafts depends on earlier rounds only, never on anything drawn in
 it (DESIGN §4, as for the async budget). To keep the estimates fresh while plain rounds win, one
-round in `explore_every` speculates anyway.
+round in `explore_every` speculates anyway, for a few requests only (`explore_share` of the
+batch, at least one, taken in turn): the others decode plainly in it, so exploring costs the
+drafting of a few requests, not of the batch.
 """
 import numpy as np
 import torch
@@ -38,7 +40,7 @@ class AutoPolicy(SyncScheduler):
     name = "auto"
 
     def __init__(self, sps, plain, drafting=None, *, decay: float = 0.8, explore_every: int = 16,
-                 max_tokens: int | None = None):
+                 explore_share: float = 0.125, max_tokens: int | None = None):
         # every profile is read through its monotone fit: measured costs are noisy, true ones
         # never fall with the round's size
         super().__init__(_as_profile(sps).monotone(), max_tokens)
@@ -48,7 +50,11 @@ class AutoPolicy(SyncScheduler):
             raise ValueError(f"decay must lie in [0, 1), got {decay!r}")
         if explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {explore_every!r}")
-        self.decay, self.explore_every = decay, explore_every
+        if not 0.0 < explore_share <= 1.0:
+            raise ValueError(f"explore_share must lie in (0, 1], got {explore_share!r}")
+        self.decay, self.explore_every, self.explore_share = decay, explore_every, explore_share
+        self._explore = False                      # this round speculates only to explore
+        self._explore_from = 0                     # first request of the next exploring round
         self.estimate: np.ndarray | None = None  # [gamma] expected survival by position
         self._plain_run = 0                        # plain rounds since the last speculative one
         self._blind_run = 0                        # rounds verified blind since the last read
@@ -64,8 +70,9 @@ class AutoPolicy(SyncScheduler):
     def speculates(self, caps: list[int], gamma: int) -> bool:
         R = len(caps)
         spec, everything = self._decide(caps, gamma)
+        self._explore = False
         if not spec and self.explore_every and self._plain_run + 1 >= self.explore_every:
-            spec = True
+            spec = self._explore = True
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
         self._blind = spec and everything and fresh
@@ -75,6 +82,16 @@ class AutoPolicy(SyncScheduler):
         self.rounds["blind"] += self._blind
         self.last_stats = {"speculates": spec, "blind": self._blind, "R": R}
         return spec
+
+    def draft_caps(self, caps: list[int]) -> list[int]:
+        """An exploring round keeps the caps of explore_share of the requests (in turn)."""
+        R = len(caps)
+        if not self._explore or R < 2:
+            return caps
+        k = max(1, int(R * self.explore_share))
+        keep = {(self._explore_from + i) % R for i in range(k)}
+        self._explore_from = (self._explore_from + k) % R
+        return [c if i in keep else 0 for i, c in enumerate(caps)]
 
     def _decide(self, caps, gamma) -> tuple[bool, bool]:
         """(whether drafting pays, whether the best round verifies every draft)."""
@@ -106,8 +123,9 @@ class AutoPolicy(SyncScheduler):
     def lengths(self, c_hat, survival, cap, gamma):
         if survival is None:  # a blind round: every draft the caps allow
             return torch.clamp(cap, max=gamma)
-        a = survival[:, :gamma].detach().to("cpu").double().numpy()
-        if a.size:  # every request's survivals by position inform the next decisions
+        drafted = (cap > 0).to("cpu")  # requests that drafted (an exploring round: a few)
+        a = survival[:, :gamma].detach().to("cpu").double()[drafted].numpy()
+        if a.size:  # the drafting requests' survivals by position inform the next decisions
             mean = np.nan_to_num(a, nan=0.0).mean(axis=0)
             self.estimate = mean if self.estimate is None else \
                 self.decay * self.estimate[:gamma] + (1 - self.decay) * mean

@@ -52,6 +52,11 @@ class VerifyPolicy:
         before drafting and so from earlier rounds only. caps: drafts each request may verify."""
         return True
 
+    def draft_caps(self, caps: list[int]) -> list[int]:
+        """The caps of a round that speculates; a request whose cap this makes 0 skips drafting
+        (decided from earlier rounds only, as speculates())."""
+        return caps
+
     def lengths(self, c_hat: torch.Tensor | None, survival: torch.Tensor | None,
                 cap: torch.Tensor, gamma: int) -> torch.Tensor:
         raise NotImplementedError

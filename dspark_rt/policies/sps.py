@@ -327,30 +327,55 @@ def _numbers(d, name, path, types) -> list:
 def measure_profile(step_fn, B_values, seconds_budget: float, progress: bool = True, *,
                     warmup: int = 2, min_repeats: int = 3, sync=None, key=None,
                     interp: str = "linear") -> SPSProfile:
-    """Time `step_fn(B)` (one engine round with B verify tokens) for every B in B_values.
+    """Time `step_fn(B)` (one engine round with B verify tokens) for every B in B_values;
+    SPS(B) = 1 / median call time. See measure_profiles (this is its one-table case)."""
+    return measure_profiles({"sps": (step_fn, B_values, key)}, seconds_budget, progress,
+                            warmup=warmup, min_repeats=min_repeats, sync=sync, interp=interp)["sps"]
 
-    Per B: `warmup` untimed calls, then timed calls until the B's share of seconds_budget is
-    spent (at least min_repeats); SPS(B) = 1 / median call time. step_fn must return only when
-    the round is done, or pass sync (e.g. torch.cuda.synchronize), called after every call.
-    """
-    B_values = sorted({int(b) for b in B_values})
-    share = seconds_budget / max(1, len(B_values))
-    it = B_values
+
+def measure_profiles(steps: dict, seconds_budget: float, progress: bool = True, *,
+                     warmup: int = 2, min_repeats: int = 3, sync=None,
+                     interp: str = "linear") -> dict:
+    """Several profiles measured together: steps maps a name to (step_fn, B_values, key).
+
+    Every call is one sample of one (name, B); the samples are taken in passes over every
+    (name, B), each pass in a fresh random order, until seconds_budget is spent and at least
+    min_repeats passes are done (after `warmup` untimed passes). A machine whose load drifts
+    during the measurement so slows every table alike: the ratios between the tables, which a
+    policy decides on, stay right even where the absolute rates do not. step_fn must return only
+    when the round is done, or pass sync (e.g. torch.cuda.synchronize), called after every call.
+    Returns {name: SPSProfile} (1 / median call time per B)."""
+    cells = [(name, int(B)) for name, (_, Bs, _) in steps.items() for B in sorted({int(b) for b in Bs})]
+    rng = np.random.default_rng(0)
+    times = {c: [] for c in cells}
+    bar = None
     if progress:
         from tqdm import tqdm
-        it = tqdm(B_values, desc="SPS profile", unit="B")
-    table = []
-    for B in it:
-        for _ in range(warmup):
-            step_fn(B)
-            if sync:
-                sync()
-        times, start = [], time.perf_counter()
-        while len(times) < min_repeats or time.perf_counter() - start < share:
+        bar = tqdm(total=round(seconds_budget, 1), desc="SPS profile", unit="s")
+
+    def one_pass(timed: bool):
+        for j in rng.permutation(len(cells)):
+            name, B = cells[j]
             t0 = time.perf_counter()
-            step_fn(B)
+            steps[name][0](B)
             if sync:
                 sync()
-            times.append(time.perf_counter() - t0)
-        table.append((B, 1.0 / max(float(np.median(times)), 1e-12)))
-    return SPSProfile.from_pairs(table, key, interp)
+            if timed:
+                times[(name, B)].append(time.perf_counter() - t0)
+
+    for _ in range(warmup):
+        one_pass(False)
+    passes, start = 0, time.perf_counter()
+    while passes < min_repeats or time.perf_counter() - start < seconds_budget:
+        one_pass(True)
+        passes += 1
+        if bar is not None:
+            bar.n = round(min(time.perf_counter() - start, seconds_budget), 1)
+            bar.refresh()
+    if bar is not None:
+        bar.close()
+    out = {}
+    for name, (_, _, key) in steps.items():
+        table = [(B, 1.0 / max(float(np.median(times[(n, B)])), 1e-12)) for n, B in cells if n == name]
+        out[name] = SPSProfile.from_pairs(table, key, interp)
+    return out

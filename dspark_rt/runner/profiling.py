@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from ..policies import Calibration, VerifyPolicy
-from ..policies.sps import IDENTITY_FIELDS, SPSProfile, check_profile, gpu_state, measure_profile, profile_key
+from ..policies.sps import (IDENTITY_FIELDS, SPSProfile, check_profile, gpu_state, measure_profiles,
+                           profile_key)
 from ..sampling_params import SamplingParams
 from .batch import SeqBatch, pages_for
 from .round import Round, first_token
@@ -176,18 +177,34 @@ def profile_runner(runner: Runner, B_values=None, seconds: float | None = None,
     Defaults: 30 s, 32 requests of 1024 context tokens on CUDA; 3 s, 8 requests of 128 on CPU
     (context_len is clamped to the model's context). B_values default to default_B_values of
     max_batch * (gamma + 1), which is the profile's max_tokens."""
-    seconds, max_batch, context_len = _resolve(runner, seconds, max_batch, context_len)
-    key = runner_key(runner, max_batch=max_batch, context_len=context_len, shape=shape)
-    work = RoundWorkload(runner, max_batch, context_len, shape=shape)
+    return profile_runners([(runner, shape)], B_values, seconds, context_len, max_batch, progress)[0]
+
+
+def profile_runners(items, B_values=None, seconds: float | None = None,
+                    context_len: int | None = None, max_batch: int | None = None,
+                    progress: bool = True) -> list[SPSProfile]:
+    """Profiles of several (runner, shape) pairs measured together, their rounds interleaved
+    (sps.measure_profiles), in one budget of `seconds`: a load that comes and goes on the machine
+    meanwhile slows them alike, so the ratios between them (what AutoPolicy decides on) hold."""
+    steps, works = {}, []
     try:
-        B_values = default_B_values(work.max_tokens) if B_values is None else list(B_values)
-        bad = [b for b in B_values if not 1 <= int(b) <= work.max_tokens]
-        if bad or not B_values:
-            raise ValueError(f"B_values must be non-empty and lie in [1, {work.max_tokens}] "
-                             f"(max_batch * (gamma + 1)), got {bad or B_values}")
-        return measure_profile(work.step, B_values, seconds, progress, sync=work.sync, key=key)
+        for i, (runner, shape) in enumerate(items):
+            sec, mb, ctx = _resolve(runner, seconds, max_batch, context_len)
+            key = runner_key(runner, max_batch=mb, context_len=ctx, shape=shape)
+            work = RoundWorkload(runner, mb, ctx, shape=shape)
+            works.append(work)
+            Bs = default_B_values(work.max_tokens) if B_values is None else list(B_values)
+            bad = [b for b in Bs if not 1 <= int(b) <= work.max_tokens]
+            if bad or not Bs:
+                raise ValueError(f"B_values must be non-empty and lie in [1, {work.max_tokens}] "
+                                 f"(max_batch * (gamma + 1)), got {bad or Bs}")
+            steps[i] = (work.step, Bs, key)
+        sync = works[0].sync if works else None
+        out = measure_profiles(steps, sec, progress, sync=sync)
+        return [out[i] for i in range(len(items))]
     finally:
-        work.release()
+        for work in works:
+            work.release()
 
 
 def cache_path(key: dict, cache_dir=None) -> Path:
@@ -203,21 +220,44 @@ def load_or_profile(runner: Runner, cache_dir=None, *, B_values=None, seconds: f
                     progress: bool = True, shape: str = "spread") -> SPSProfile:
     """A cached profile valid for this model pair on this machine now (sps.check_profile:
     identity, SM clock, throttling), else a fresh profile_runner measurement, saved to the cache."""
-    key = runner_key(runner, max_batch=max_batch, context_len=context_len, shape=shape)
-    path = cache_path(key, cache_dir)
-    if path.is_file():
-        try:
-            cached = SPSProfile.load(path)
-        except (ValueError, KeyError, TypeError) as e:  # corrupt or foreign: measure again
-            log.warning("SPS profile %s unreadable (%s): re-profiling", path, e)
-        else:
-            chk = check_profile(cached, key, gpu=_gpu(runner.device))
-            if chk.profile is not None and not chk.reprofile:
-                log.info("SPS profile: reusing %s", path)
-                return chk.profile
-            log.warning("SPS profile %s: re-profiling (%s)", path, "; ".join(chk.reasons))
-    prof = profile_runner(runner, B_values, seconds, context_len, max_batch, progress, shape)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.save(path)
-    log.info("SPS profile saved to %s", path)
-    return prof
+    return load_or_profile_jointly([(runner, shape)], cache_dir, B_values=B_values, seconds=seconds,
+                                   context_len=context_len, max_batch=max_batch, progress=progress)[0]
+
+
+def load_or_profile_jointly(items, cache_dir=None, *, B_values=None, seconds: float | None = None,
+                            context_len: int | None = None, max_batch: int | None = None,
+                            progress: bool = True) -> list[SPSProfile]:
+    """load_or_profile of several (runner, shape) pairs; those not validly cached are measured
+    together (profile_runners), so the ratios between them come from one stretch of time."""
+    found, missing = [None] * len(items), []
+    for i, (runner, shape) in enumerate(items):
+        key = runner_key(runner, max_batch=max_batch, context_len=context_len, shape=shape)
+        found[i] = _cached(cache_path(key, cache_dir), key, runner)
+        if found[i] is None:
+            missing.append(i)
+    if missing:
+        fresh = profile_runners([items[i] for i in missing], B_values, seconds, context_len,
+                                max_batch, progress)
+        for i, prof in zip(missing, fresh):
+            path = cache_path(prof.key, cache_dir)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.save(path)
+            log.info("SPS profile saved to %s", path)
+            found[i] = prof
+    return found
+
+
+def _cached(path: Path, key: dict, runner: Runner) -> SPSProfile | None:
+    if not path.is_file():
+        return None
+    try:
+        cached = SPSProfile.load(path)
+    except (ValueError, KeyError, TypeError) as e:  # corrupt or foreign: measure again
+        log.warning("SPS profile %s unreadable (%s): re-profiling", path, e)
+        return None
+    chk = check_profile(cached, key, gpu=_gpu(runner.device))
+    if chk.profile is not None and not chk.reprofile:
+        log.info("SPS profile: reusing %s", path)
+        return chk.profile
+    log.warning("SPS profile %s: re-profiling (%s)", path, "; ".join(chk.reasons))
+    return None

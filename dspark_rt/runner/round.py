@@ -56,11 +56,14 @@ class Round:
         # 1-3. block [x0, m, .., m] -> h_k, U_k = lm_head(h_k); x_k ~ q_k = softmax((U_k +
         #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k. None: a plain
         #      round (no drafter, or the policy finds from earlier rounds that drafting won't pay)
-        speculate = runner.gamma and policy.speculates(self.caps(batch, runner.gamma), runner.gamma)
-        draft = self.draft(runner, batch, rng) if speculate else None
+        caps = self.caps(batch, runner.gamma)
+        speculate = runner.gamma and policy.speculates(caps, runner.gamma)
+        if speculate:  # requests whose cap the policy zeroes draft nothing (AutoPolicy explores)
+            caps = policy.draft_caps(caps)
+        draft = self.draft(runner, batch, rng, caps) if speculate else None
         # 4. l_r from the calibrated survivals a_k = prod c_hat_i (never from the tokens: that
         #    keeps it lossless), then the flat chains [x0, x_1 .. x_l] of every request
-        plan = self.schedule(runner, batch, draft, policy, calibration)
+        plan = self.schedule(runner, batch, draft, policy, calibration, caps)
         # 5. one ragged causal target forward over all chains: P_0 .. P_l, and the features
         logits, feats = self.verify(runner, plan)
         # 6. accept x_k w.p. min(1, P_{k-1}(x_k) / q_k(x_k)); emit y from the residual
@@ -72,10 +75,11 @@ class Round:
 
     # 1-3. parallel draft, sequential head, confidences ---------------------------------------
 
-    def draft(self, runner: Runner, batch: SeqBatch, rng: dict) -> Draft | None:
-        """Drafts of the requests that speculate (SamplingParams.speculative); the others get
-        empty rows and verify only their own token."""
-        rows = [i for i, p in enumerate(batch.params) if p.speculative]
+    def draft(self, runner: Runner, batch: SeqBatch, rng: dict, caps: list[int]) -> Draft | None:
+        """Drafts of the requests that may verify one (cap > 0: SamplingParams.speculative, room
+        left, not excluded by the policy); the others get empty rows and verify only their own
+        token."""
+        rows = [i for i, c in enumerate(caps) if c > 0]
         if len(rows) == len(batch):
             return runner.draft(batch, rng)
         if not rows:
@@ -86,14 +90,13 @@ class Round:
 
     # 4. verify lengths -------------------------------------------------------------------------
 
-    def schedule(self, runner, batch, draft: Draft | None, policy, calibration) -> Verify:
-        """l_r in [0, min(gamma, cap_r)] from the calibrated confidences alone (never the draft
-        tokens: that keeps acceptance lossless), and the flat chains [x0, x_1 .. x_l]."""
+    def schedule(self, runner, batch, draft: Draft | None, policy, calibration, caps) -> Verify:
+        """l_r in [0, caps_r] from the calibrated confidences alone (never the draft tokens:
+        that keeps acceptance lossless), and the flat chains [x0, x_1 .. x_l]."""
         R, gamma = len(batch), runner.gamma
         if draft is None:  # plain decoding: the chain is the anchor
             meta, pos, cu = runner.meta(batch.target_pages, batch.kv_lens, [1] * R, True)
             return Verify(runner.upload(batch.anchors, torch.int64), pos, meta, [0] * R, cu)
-        caps = self.caps(batch, gamma)
         chains = torch.cat([draft.anchor[:, None], draft.tokens], 1)  # [R, gamma + 1]
         conf = self.confidences(draft)
         if policy.admits_on_device and conf is not None and not any(batch.filtered):

@@ -21,10 +21,8 @@ MODES = ("ar", "dflash", "dspark")
 
 def _tables(page_lists) -> torch.Tensor:
     """Block tables [R, max(1, longest)] int64 on the host, zero-padded."""
-    tables = torch.zeros(len(page_lists), max(1, max(len(p) for p in page_lists)), dtype=torch.int64)
-    for i, pages in enumerate(page_lists):
-        tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-    return tables
+    width = max(1, max(len(p) for p in page_lists))
+    return torch.tensor([list(p) + [0] * (width - len(p)) for p in page_lists], dtype=torch.int64)
 
 
 @dataclass
@@ -133,24 +131,24 @@ class Runner:
 
     def meta(self, page_lists, starts, counts, causal):
         """AttnMeta for chains of counts[r] new tokens at positions starts[r].. of each request,
-        built on the host and uploaded in one copy. Returns (meta, positions [N] on the device,
-        cu [R + 1] on the host)."""
+        built on the host without a per-request tensor op and uploaded in one copy. Returns
+        (meta, positions [N] on the device, cu [R + 1] on the host)."""
         ps, R = self.page_size, len(counts)
         for pages, s, n in zip(page_lists, starts, counts):
             self._check_pages(pages, s + n, "KV")
         tables = _tables(page_lists)
         width = tables.shape[1]
-        slots, positions = [], []
-        for i, (s, n) in enumerate(zip(starts, counts)):
-            pos = torch.arange(s, s + n)
-            slots.append(tables[i][pos // ps] * ps + pos % ps)
-            positions.append(pos)
         cu = [0]
         for n in counts:
             cu.append(cu[-1] + n)
         N = cu[-1]
-        host = torch.cat([torch.tensor(cu), torch.tensor([s + n for s, n in zip(starts, counts)]),
-                          tables.view(-1), torch.cat(slots), torch.cat(positions)])
+        ends = [s + n for s, n in zip(starts, counts)]
+        # row j of request r sits at position starts[r] + j - cu[r]
+        req = torch.repeat_interleave(torch.arange(R), torch.tensor(counts, dtype=torch.int64),
+                                      output_size=N)
+        positions = torch.arange(N) + torch.tensor([s - c for s, c in zip(starts, cu)])[req]
+        slots = tables.view(-1)[req * width + positions // ps] * ps + positions % ps
+        host = torch.cat([torch.tensor(cu + ends), tables.view(-1), slots, positions])
         dev = self.upload(host, torch.int64)
         o = R + 1
         cu_q, kv_lens = dev[:o].int(), dev[o : o + R].int()
@@ -249,8 +247,10 @@ class Runner:
         row_starts[r] .. of feats) into the drafter's context cache (DESIGN §2 step 7)."""
         if self.drafter is None or not counts:
             return
-        rows = self.upload(torch.cat([torch.arange(s, s + n) for s, n in zip(row_starts, counts)]),
-                           torch.int64)
+        total = sum(counts)
+        req = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=total)
+        shift = torch.tensor(row_starts) - torch.tensor([0] + counts[:-1]).cumsum(0)
+        rows = self.upload(torch.arange(total) + shift[req], torch.int64)
         meta, pos, _ = self.meta(page_lists, starts, counts, False)
         self.drafter.context_update(feats[rows], pos, meta.slot_mapping, self.dcache)
 

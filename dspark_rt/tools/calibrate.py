@@ -43,12 +43,14 @@ def decode_logged(decoder, prompts, params, *, batch_size: int = 8, progress: bo
 def round_arrays(round_log):
     """Per request-round arrays from Decoder.round_log: conf_logits [n, gamma] float64 (None when
     no round carried confidences), verified [n] and accepted [n] int64."""
+    drafted = [e for e in round_log if e["conf_logit"] is not None]
+    if drafted:  # rounds that drafted nothing (no request could verify a draft) carry no labels
+        round_log = drafted
     ver = np.array([v for e in round_log for v in e["lengths"]], np.int64)
     acc = np.array([a for e in round_log for a in e["accepted"]], np.int64)
-    confs = [e["conf_logit"] for e in round_log]
-    if not confs or any(c is None for c in confs):
+    if not drafted:
         return None, ver, acc
-    return np.concatenate([c.double().numpy() for c in confs]), ver, acc
+    return np.concatenate([e["conf_logit"].double().numpy() for e in drafted]), ver, acc
 
 
 def prompts_for(decoder, prompts_file, *, max_tokens: int, limit=None, chat=False):
