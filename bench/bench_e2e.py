@@ -8,16 +8,26 @@ dspark_rt.testing.phases). JSON with --json; a plot of throughput against
 per-user speed with --plot.
 
 Models: --model shipped (the tiny trained pair, real acceptance; the CPU default) or a
-random-weight pair of real shapes (--model qwen3-8b on a GPU; --model tiny checks the path on a
-CPU), which needs --accept-prob: BENCHMARK-ONLY synthetic acceptance (dspark_rt.testing.synthetic), one
-conditional acceptance probability per draft position (a single value is used for all).
+random-weight pair of real shapes (--model qwen3-8b on a GPU; qwen3-0.6b, float32, on a CPU:
+the regime where a forward over 8 tokens costs about as much as over one; --model tiny checks
+the path on a CPU), which needs --accept-prob: BENCHMARK-ONLY synthetic acceptance
+(dspark_rt.testing.synthetic), one conditional acceptance probability per draft position (a
+single value is used for all) or a preset name ("tau5": tau 5.05 at gamma 7).
+
+--baseline adds the same target through Hugging Face transformers `generate` (greedy, the same
+weights shared in memory) as mode "hf/generate": the outside baseline of plain decoding.
+--repeats N runs every mode and batch N times, modes interleaved within each repetition, and
+reports medians with the ratios the policy is judged on.
 
     python bench/bench_e2e.py [--batch 1 4 16] [--max-tokens 48] [--json out.json] [--plot out.png]
     python bench/bench_e2e.py --device cuda --model qwen3-8b --accept-prob 0.8 --batch 1 8 32 128
+    python bench/bench_e2e.py --model qwen3-0.6b --dtype fp32 --accept-prob tau5 --batch 1 8 32 \
+        --modes ar/fixed dflash/fixed dspark/fixed dspark/auto --baseline --repeats 3
 """
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 import warnings
@@ -27,6 +37,7 @@ import torch
 
 from dspark_rt import Decoder, SamplingParams
 from dspark_rt.testing import phases as phase_timer, synthetic
+from dspark_rt.testing.random_models import SHAPES as RANDOM_SHAPES
 from dspark_rt.testing.bench import header as device_header
 
 PAIR = Path(__file__).resolve().parents[1] / "dspark_rt" / "pretrained"
@@ -93,12 +104,62 @@ class Models:
                 probe = Decoder.from_pretrained(PAIR / "target", PAIR / "dspark", device=self.device)
                 target, drafter = probe.target, probe.drafter
             kw = dict(seconds=self.args.profile_seconds, max_batch=max(self.args.batch),
-                      context_len=self.args.prompt_len if self.random else None, progress=False)
+                      context_len=self.args.prompt_len if self.random else None, progress=False,
+                      sparse=self.args.profile_grid == "sparse")
             spec = Runner(target, drafter, "dspark", 16, self.device)
             plain = Runner(target, None, "ar", 16, self.device)  # measured together, interleaved
             self._sps = tuple(load_or_profile_jointly([(spec, "spread"), (plain, "spread"),
                                                        (spec, "no_drafts")], **kw))
         return self._sps if policy == "auto" else self._sps[0]
+
+
+    def hf_model(self):
+        """The target as a transformers model over the same tensors (no copy), float32."""
+        from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+        if not self.random:
+            return AutoModelForCausalLM.from_pretrained(PAIR / "target", dtype=torch.float32).eval()
+        target = self._pair[0]
+        cfg = dict(RANDOM_SHAPES[self.args.model][0])
+        cfg.pop("architectures", None)
+        with torch.device("meta"):
+            hf = Qwen3ForCausalLM(Qwen3Config(**cfg, dtype=target.dtype))
+        state = {("lm_head.weight" if k == "lm_head_weight" else "model." + k): v
+                 for k, v in target.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        hf.load_state_dict(state, strict=True, assign=True)
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config).to(self.device)  # off meta
+        return hf.eval()
+
+
+def run_hf(models, batch, max_tokens):
+    """transformers generate, greedy, max_tokens new tokens per prompt (equal-length prompts: no
+    padding). Warm-up of a few tokens first, as for the runtime's modes."""
+    hf = models.hf_model()
+    prompts = models.prompts(batch)
+    if isinstance(prompts[0], str):
+        from dspark_rt.checkpoint.tokenizer import Tokenizer
+        tok = Tokenizer.from_pretrained(PAIR / "target")
+        ids = [tok.encode(p) for p in prompts]
+        width = max(len(i) for i in ids)  # left-pad with the first token: lengths must agree
+        prompts = [[i[0]] * (width - len(i)) + i for i in ids]
+    x = torch.tensor(prompts, device=models.device)
+    gen = lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                min_new_tokens=n, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        gen(min(4, max_tokens))
+        _sync(models.device)
+        t0 = time.perf_counter()
+        out = gen(max_tokens)
+        _sync(models.device)
+        secs = time.perf_counter() - t0
+    tokens = (out.shape[1] - x.shape[1]) * batch
+    del hf
+    gc.collect()
+    return {"mode": "hf", "policy": "generate", "batch": batch, "tokens": tokens, "seconds": secs,
+            "tokens_per_s": tokens / secs, "per_user_tokens_per_s": tokens / secs / batch,
+            "tau": 1.0, "mean_verify_length": 0.0, "rounds": out.shape[1] - x.shape[1],
+            "host_reads_per_round": float("nan"), "cuda_syncs_per_round": None, "phase_share": {}}
 
 
 def _generate(dec, prompts, max_tokens):
@@ -133,9 +194,9 @@ def count_cuda_syncs(dec, prompts, max_tokens) -> float | None:
 def run(models, mode, policy, batch, max_tokens):
     dec = models.decoder(mode, policy)
     prompts = models.prompts(batch)
-    # warm-up: the same run once, so that kernels load and every CUDA graph bucket the timed
-    # run replays is captured before the clock starts
-    _generate(dec, prompts, max_tokens)
+    # warm-up: on a GPU the same run once, so that every CUDA graph bucket the timed run replays
+    # is captured before the clock starts; on the CPU a few tokens load the kernels
+    _generate(dec, prompts, max_tokens if models.device.type == "cuda" else min(4, max_tokens))
     r, e = dec.runner, dec.engine
     on_gpu = models.device.type == "cuda"
     # The phase split costs a device sync per phase on a GPU: there it gets a separate, shorter
@@ -203,11 +264,18 @@ def plot(rows, path, title):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--model", default="shipped", choices=["shipped", "qwen3-8b", "tiny"],
-                    help="shipped: the trained tiny pair; qwen3-8b / tiny: random weights of "
-                         "those shapes with synthetic acceptance (needs --accept-prob)")
-    ap.add_argument("--accept-prob", type=float, nargs="+",
-                    help="BENCHMARK-ONLY synthetic acceptance per draft position (one value: all)")
+    ap.add_argument("--model", default="shipped", choices=["shipped", *sorted(RANDOM_SHAPES)],
+                    help="shipped: the trained tiny pair; the others: random weights of those "
+                         "shapes with synthetic acceptance (needs --accept-prob)")
+    ap.add_argument("--accept-prob", nargs="+",
+                    help="BENCHMARK-ONLY synthetic acceptance per draft position (one value: all; "
+                         f"or a preset: {sorted(synthetic.PRESETS)})")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also the target through transformers generate (mode hf/generate)")
+    ap.add_argument("--repeats", type=int, default=1, help="repetitions, modes interleaved")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    ap.add_argument("--profile-grid", choices=["dense", "sparse"], default="dense",
+                    help="B values of the measured profiles (sparse: powers of two)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                     help="random models' dtype (shipped: the Decoder's default)")
     ap.add_argument("--batch", type=int, nargs="+")
@@ -221,15 +289,24 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.model != "shipped" and not args.accept_prob:
         ap.error("--model qwen3-8b / tiny (random weights) need --accept-prob")
+    if args.accept_prob:
+        if len(args.accept_prob) == 1 and args.accept_prob[0] in synthetic.PRESETS:
+            args.accept_prob = synthetic.PRESETS[args.accept_prob[0]]
+        try:
+            args.accept_prob = [float(p) for p in args.accept_prob]
+        except ValueError:
+            ap.error(f"--accept-prob takes probabilities or one of {sorted(synthetic.PRESETS)}")
     if args.accept_prob and any(not 0 <= p <= 1 for p in args.accept_prob):
         ap.error("--accept-prob values must lie in [0, 1]")
+    if args.repeats < 1 or args.threads < 1:
+        ap.error("--repeats and --threads must be >= 1")
     known = {f"{m}/{p}" for m, p in MODES}
     if set(args.modes) - known:
         ap.error(f"--modes must be among {sorted(known)}")
     if args.batch is None:
         args.batch = [1, 8, 32, 128] if args.device.startswith("cuda") else [1, 4, 16]
     if args.device == "cpu":
-        torch.set_num_threads(1)  # two shared cores: one thread is steadier (see bench/RESULTS.md)
+        torch.set_num_threads(args.threads)  # two shared cores: one thread is steadier (RESULTS.md)
     models = Models(args)
     if args.model == "shipped" and args.accept_prob:
         sys.exit("--accept-prob applies to the random-weight models only")
@@ -239,24 +316,70 @@ def main(argv=None):
           f", {args.max_tokens} new tokens each, greedy")
     print(f"{'mode':14} {'batch':>5} {'tok/s':>9} {'user tok/s':>10} {'tau':>5} {'verify':>6} {'reads':>5}  "
           "phase shares (draft, sched, verify, accept, ctx, other)")
-    rows = []
-    for mp in args.modes:
-        mode, policy = mp.split("/")
+    modes = list(args.modes) + (["hf/generate"] if args.baseline else [])
+    rows, all_rows = [], []
+    for rep in range(args.repeats):
         for b in args.batch:
-            r = run(models, mode, policy, b, args.max_tokens)
-            rows.append(r)
-            ps = r["phase_share"]
-            share = " ".join(f"{ps.get(k, 0.0):.3f}" for k in PHASES)
-            print(f"{mp:14} {b:5d} {r['tokens_per_s']:9.1f} {r['per_user_tokens_per_s']:10.1f} "
-                  f"{r['tau']:5.2f} {r['mean_verify_length']:6.2f} {r['host_reads_per_round']:5.2f}  {share}"
-                  + (f"  cuda syncs/round {r['cuda_syncs_per_round']:.2f}" if r["cuda_syncs_per_round"] is not None else ""),
-                  flush=True)
-            if args.json:  # after every row: a run cut short by a time limit keeps what it measured
-                Path(args.json).write_text(json.dumps({"header": header, "model": label, "rows": rows},
-                                                      indent=2))
+            for mp in modes:  # interleaved: a load that comes and goes hits every mode alike
+                mode, policy = mp.split("/")
+                r = run_hf(models, b, args.max_tokens) if mode == "hf" else \
+                    run(models, mode, policy, b, args.max_tokens)
+                r["repeat"] = rep
+                all_rows.append(r)
+                ps = r["phase_share"]
+                share = " ".join(f"{ps.get(k, 0.0):.3f}" for k in PHASES)
+                print(f"{mp:14} {b:5d} {r['tokens_per_s']:9.1f} {r['per_user_tokens_per_s']:10.1f} "
+                      f"{r['tau']:5.2f} {r['mean_verify_length']:6.2f} {r['host_reads_per_round']:5.2f}  {share}"
+                      + (f"  cuda syncs/round {r['cuda_syncs_per_round']:.2f}" if r["cuda_syncs_per_round"] is not None else ""),
+                      flush=True)
+                rows = medians(all_rows) if args.repeats > 1 else all_rows
+                if args.json:  # after every row: a run cut short by a time limit keeps what it measured
+                    Path(args.json).write_text(json.dumps({"header": header, "model": label,
+                                                           "rows": rows, "runs": all_rows}, indent=2))
+    if args.repeats > 1 or args.baseline:
+        print(summary(rows, args.batch))
     if args.plot:
         plot(rows, args.plot, f"throughput vs per-user speed: {label} on {args.device} (labels: batch)")
     return rows
+
+
+def medians(runs):
+    """One row per (mode, policy, batch): the run of median tokens/s (its other figures too),
+    with every repetition's tokens/s kept."""
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["mode"], r["policy"], r["batch"]), []).append(r)
+    out = []
+    for g in groups.values():
+        ranked = sorted(g, key=lambda r: r["tokens_per_s"])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in g)
+        row["per_user_tokens_per_s"] = row["tokens_per_s"] / row["batch"]
+        row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in g]
+        out.append(row)
+    return out
+
+
+def summary(rows, batches) -> str:
+    """Median tokens/s per mode and batch, and the ratios the auto policy is judged on."""
+    tps = {(r["mode"] + "/" + r["policy"], r["batch"]): r["tokens_per_s"] for r in rows}
+    names = sorted({k[0] for k in tps}, key=lambda m: [f"{a}/{b}" for a, b in MODES + [("hf", "generate")]].index(m)
+                   if m in [f"{a}/{b}" for a, b in MODES + [("hf", "generate")]] else 99)
+    lines = ["median tokens/s  " + "  ".join(f"batch {b:>4}" for b in batches)]
+    for m in names:
+        lines.append(f"{m:16} " + "  ".join(f"{tps.get((m, b), float('nan')):10.1f}" for b in batches))
+    ratios = [("dspark/auto / max(ar, dspark/fixed)", "dspark/auto", ("ar/fixed", "dspark/fixed")),
+              ("dspark/auto / ar", "dspark/auto", ("ar/fixed",)),
+              ("dspark/fixed / ar", "dspark/fixed", ("ar/fixed",)),
+              ("ar / hf generate", "ar/fixed", ("hf/generate",))]
+    for label, num, dens in ratios:
+        vals = []
+        for b in batches:
+            den = [tps[(d, b)] for d in dens if (d, b) in tps]
+            vals.append(tps[(num, b)] / max(den) if (num, b) in tps and den else float("nan"))
+        if any(v == v for v in vals):
+            lines.append(f"{label:36} " + "  ".join(f"{v:.2f}" for v in vals))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

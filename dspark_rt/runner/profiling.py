@@ -54,6 +54,12 @@ def default_B_values(max_tokens: int) -> list[int]:
     return sorted({b for b in grid if b <= max_tokens} | {max_tokens})
 
 
+def sparse_B_values(max_tokens: int) -> list[int]:
+    """Powers of two up to max_tokens, and max_tokens: a quick profile of a large model on a slow
+    machine (the monotone fit reads between the points)."""
+    return sorted({1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens} | {max_tokens})
+
+
 def _config_id(cfg) -> str:
     """Folder name and a short hash of the config.json the model was loaded from."""
     src = Path(cfg.source)
@@ -182,10 +188,11 @@ def profile_runner(runner: Runner, B_values=None, seconds: float | None = None,
 
 def profile_runners(items, B_values=None, seconds: float | None = None,
                     context_len: int | None = None, max_batch: int | None = None,
-                    progress: bool = True) -> list[SPSProfile]:
+                    progress: bool = True, sparse: bool = False) -> list[SPSProfile]:
     """Profiles of several (runner, shape) pairs measured together, their rounds interleaved
     (sps.measure_profiles), in one budget of `seconds`: a load that comes and goes on the machine
-    meanwhile slows them alike, so the ratios between them (what AutoPolicy decides on) hold."""
+    meanwhile slows them alike, so the ratios between them (what AutoPolicy decides on) hold.
+    sparse: sparse_B_values instead of default_B_values where B_values is None."""
     steps, works = {}, []
     try:
         for i, (runner, shape) in enumerate(items):
@@ -193,7 +200,8 @@ def profile_runners(items, B_values=None, seconds: float | None = None,
             key = runner_key(runner, max_batch=mb, context_len=ctx, shape=shape)
             work = RoundWorkload(runner, mb, ctx, shape=shape)
             works.append(work)
-            Bs = default_B_values(work.max_tokens) if B_values is None else list(B_values)
+            grid = sparse_B_values if sparse else default_B_values
+            Bs = grid(work.max_tokens) if B_values is None else list(B_values)
             bad = [b for b in Bs if not 1 <= int(b) <= work.max_tokens]
             if bad or not Bs:
                 raise ValueError(f"B_values must be non-empty and lie in [1, {work.max_tokens}] "
@@ -217,16 +225,17 @@ def cache_path(key: dict, cache_dir=None) -> Path:
 
 def load_or_profile(runner: Runner, cache_dir=None, *, B_values=None, seconds: float | None = None,
                     context_len: int | None = None, max_batch: int | None = None,
-                    progress: bool = True, shape: str = "spread") -> SPSProfile:
+                    progress: bool = True, shape: str = "spread", sparse: bool = False) -> SPSProfile:
     """A cached profile valid for this model pair on this machine now (sps.check_profile:
     identity, SM clock, throttling), else a fresh profile_runner measurement, saved to the cache."""
     return load_or_profile_jointly([(runner, shape)], cache_dir, B_values=B_values, seconds=seconds,
-                                   context_len=context_len, max_batch=max_batch, progress=progress)[0]
+                                   context_len=context_len, max_batch=max_batch, progress=progress,
+                                   sparse=sparse)[0]
 
 
 def load_or_profile_jointly(items, cache_dir=None, *, B_values=None, seconds: float | None = None,
                             context_len: int | None = None, max_batch: int | None = None,
-                            progress: bool = True) -> list[SPSProfile]:
+                            progress: bool = True, sparse: bool = False) -> list[SPSProfile]:
     """load_or_profile of several (runner, shape) pairs; those not validly cached are measured
     together (profile_runners), so the ratios between them come from one stretch of time."""
     found, missing = [None] * len(items), []
@@ -237,7 +246,7 @@ def load_or_profile_jointly(items, cache_dir=None, *, B_values=None, seconds: fl
             missing.append(i)
     if missing:
         fresh = profile_runners([items[i] for i in missing], B_values, seconds, context_len,
-                                max_batch, progress)
+                                max_batch, progress, sparse)
         for i, prof in zip(missing, fresh):
             path = cache_path(prof.key, cache_dir)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import torch
 from dspark_rt.checkpoint.tensors import drafter_specs, target_specs
 from dspark_rt.checkpoint.config import TargetConfig
 from dspark_rt.checkpoint.drafter_config import DrafterConfig
+from dspark_rt.checkpoint.drafter_tensors import adapt
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.models.qwen3 import Qwen3Model
 
@@ -25,16 +26,27 @@ DSPARK_8B = dict(QWEN3_8B, architectures=["Qwen3DSparkModel"], num_hidden_layers
                  num_target_layers=36, block_size=7, target_layer_ids=[1, 9, 17, 25, 33],
                  mask_token_id=151669, markov_rank=256, markov_head_type="vanilla",
                  enable_confidence_head=True, confidence_head_with_markov=True)
+# Qwen/Qwen3-0.6B config.json (tied embeddings, 28 layers of width 1024): the CPU benchmark's
+# target, where a forward over 8 tokens costs about as much as over one.
+QWEN3_06B = dict(QWEN3_8B, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True)
+# A drafter sized as the DSpark paper's: 5 layers of the target's width reading 5 target layers,
+# vanilla Markov head of rank 256 over the full vocabulary, confidence head.
+DSPARK_06B = dict(DSPARK_8B, **{k: QWEN3_06B[k] for k in ("hidden_size", "intermediate_size",
+                                                         "num_attention_heads", "num_key_value_heads")},
+                  num_target_layers=28, target_layer_ids=[1, 7, 13, 19, 25])
 # The same structure at toy size: checks the benchmark path on a CPU in seconds.
 TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
             eos_token_id=510)
 DSPARK_TINY = dict(DSPARK_8B, **{k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                       "num_attention_heads", "num_key_value_heads",
-                                                      "head_dim", "max_position_embeddings")},
+                                                      "head_dim", "max_position_embeddings",
+                                                      "eos_token_id")},
                    num_hidden_layers=1, num_target_layers=4, target_layer_ids=[0, 2],
                    mask_token_id=511, markov_rank=16)
-SHAPES = {"qwen3-8b": (QWEN3_8B, DSPARK_8B), "tiny": (TINY, DSPARK_TINY)}
+SHAPES = {"qwen3-8b": (QWEN3_8B, DSPARK_8B), "qwen3-0.6b": (QWEN3_06B, DSPARK_06B),
+          "tiny": (TINY, DSPARK_TINY)}
 
 
 def _random(specs: dict, dtype, device, gen) -> dict:
@@ -62,5 +74,7 @@ def random_pair(shape: str, dtype=torch.bfloat16, device="cuda", seed: int = 0,
     target = Qwen3Model.from_tensors(tcfg, _random(target_specs(tcfg)[0], dtype, device, gen))
     dcfg = DrafterConfig.from_dict(ddict, f"random:{shape}-dspark/config.json")
     dcfg.check_target(tcfg)
-    drafter = Drafter.from_tensors(dcfg, _random(drafter_specs(dcfg)[0], dtype, device, gen), target)
+    # through the loader's rewrite, as a checkpoint would go (a bias-free confidence head, etc.)
+    dcfg, tensors = adapt(dcfg, _random(drafter_specs(dcfg)[0], dtype, device, gen), target)
+    drafter = Drafter.from_tensors(dcfg, tensors, target)
     return target, drafter

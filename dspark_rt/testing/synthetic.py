@@ -20,7 +20,13 @@ import torch
 from ..policies import Calibration
 from ..runner.round import Round
 
-__all__ = ["SyntheticAcceptance", "SyntheticRound", "install", "uninstall"]
+__all__ = ["SyntheticAcceptance", "SyntheticRound", "install", "uninstall", "PRESETS"]
+
+# Named conditional acceptance profiles (P(draft k accepted | 1 .. k-1 accepted), k = 1 .. 7).
+# "tau5": falls from 0.92 to 0.76 along the block, so that tau at gamma 7 is 5.05, the DSpark
+# paper's headline acceptance length for Qwen3-8B (about 5); its exact per-position table is
+# not reproduced here, only its tau and a decay of the usual shape.
+PRESETS = {"tau5": [0.92, 0.88, 0.85, 0.82, 0.80, 0.78, 0.76]}
 
 
 class SyntheticAcceptance:
