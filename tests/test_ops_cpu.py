@@ -208,7 +208,7 @@ def test_rejection_cold_cases_have_power():
     contain residual tokens that a flat 1e-4 pre-filter margin prunes (the CUDA kernel's bug)."""
     drops = sweeps = 0
     for case in [c for c in oc.REJECTION_CASES if c.drafts == "shifted"]:
-        for key in range(10):
+        for key in range(20):
             kw = oc.rejection_inputs(case, key=key)
             acc, out = _rejection(kw, "cpp")
             racc, rout = _rejection(kw, "reference")
