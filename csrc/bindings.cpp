@@ -235,6 +235,7 @@ PYBIND11_MODULE(_C, m) {
     DefPtr(c, "part_o", &P::part_o);
     DefPtr(c, "part_lse", &P::part_lse);
     c.def_readwrite("plan_slots", &P::plan_slots);
+    c.def_readwrite("batch_invariant", &P::batch_invariant);
     m.def(
         "verify_attention",
         [](const P& p, const std::string& backend, uintptr_t stream) {

@@ -27,6 +27,10 @@ struct VerifyAttentionParams {
   float* part_o = nullptr;    // [plan_slots, 64, head_dim] split partials O / l
   float* part_lse = nullptr;  // [plan_slots, 64] their log2-sum-exp
   int64_t plan_slots = 0;     // VerifyAttentionPlanSlots(p); 0: the path takes no plan
+  // CUDA tensor-core path: true never splits the KV range, so a request's result does not
+  // depend on the rest of the batch; false sizes splits to fill the GPU for this batch (a
+  // request's 16-bit output may then move by an ulp when other requests join).
+  bool batch_invariant = false;
 };
 
 Status VerifyAttentionCpu(const VerifyAttentionParams& p);

@@ -10,6 +10,7 @@ sums of similar length; neither is more accurate by design).
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -177,6 +178,80 @@ def test_rejection_sample(case, dtype):
         assert torch.equal(acc, racc) and torch.equal(out, rout), oc.where(case, key)
 
 
+def _old_residual_prefilter_drops(kw, acc, out):
+    """Sweeps (request, rejected row) where the CUDA residual pre-filter as it was (a float32
+    estimate of P - q with a flat 1e-4 relative margin) calls the reference's residual token's
+    residual zero, i.e. would never evaluate it: the mutant the cold cases must catch."""
+    f = np.float32
+    drops = sweeps = 0
+    cu = kw["cu_rows"]
+    for r in range(cu.shape[0] - 1):
+        a, lo, ell = int(acc[r]), int(cu[r]), int(cu[r + 1] - cu[r]) - 1
+        if a == ell:
+            continue
+        T = float(kw["temperature"][r])
+        x = kw["target_logits"][lo + a].numpy().astype(f)
+        z = kw["draft_logits"][r, a].numpy().astype(f)
+        m_t, inv_t = f(x.max()), f(1) / f(T)
+        log_s = f(math.log(np.exp((x.astype(np.float64) - float(m_t)) / T).sum()))
+        cq = f(float(kw["draft_lse"][r, a]) - float(m_t) / T)
+        pf, qf = np.exp((x - m_t) * inv_t - log_s), np.exp((z - m_t) * inv_t - cq)
+        y = int(out[r, a])
+        drops += not ((pf[y] - qf[y]) + f(1e-4) * (pf[y] + qf[y]) > 0)
+        sweeps += 1
+    return drops, sweeps
+
+
+def test_rejection_cold_cases_have_power():
+    """At T = 0.01-0.03 with the draft's maximum far above the target's, float exponents lose
+    ~1e-3 relative: the shared cold cases (run on every backend by test_rejection_sample) must
+    contain residual tokens that a flat 1e-4 pre-filter margin prunes (the CUDA kernel's bug)."""
+    drops = sweeps = 0
+    for case in [c for c in oc.REJECTION_CASES if c.drafts == "shifted"]:
+        for key in range(20):
+            kw = oc.rejection_inputs(case, key=key)
+            acc, out = _rejection(kw, "cpp")
+            racc, rout = _rejection(kw, "reference")
+            assert torch.equal(acc, racc) and torch.equal(out, rout), oc.where(case, key)
+            d, n = _old_residual_prefilter_drops(kw, racc, rout)
+            drops, sweeps = drops + d, sweeps + n
+    assert drops > 0, f"no residual token the old pre-filter drops in {sweeps} sweeps ({oc.SEED=})"
+
+
+def _posinf_rows(kw, rng):
+    """kw with +inf planted in about half of the target rows (a few entries each)."""
+    t = kw["target_logits"].clone()
+    for i in range(t.shape[0]):
+        if rng.random() < 0.5:
+            t[i, torch.randint(0, t.shape[1], (2,), generator=torch.Generator().manual_seed(i))] = math.inf
+    return {**kw, "target_logits": t}
+
+
+@pytest.mark.parametrize("case", [oc.RejectionCase(9, 3, 37, "random", "mixed", "random", coupled="mixed"),
+                                  oc.RejectionCase(6, 2, 517, "full", "sampled")], ids=str)
+def test_rejection_posinf_logits(case):
+    """A +inf target logit (the runner fails such requests) gives the reference's tokens: the
+    log-sum-exp of its row is +inf, never NaN, on every backend."""
+    import random
+    for key in range(3):
+        kw = _posinf_rows(oc.rejection_inputs(case, key=key), random.Random(key))
+        got, want = _rejection(kw, "cpp"), _rejection(kw, "reference")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), oc.where(case, key)
+
+
+def test_markov_posinf_logits():
+    """markov_sample's lse of a row holding +inf is +inf (torch.logsumexp), its logprob NaN."""
+    case = oc.MarkovCase(4, 3, 517, "none", temps="mixed")
+    kw = oc.markov_inputs(case, dtype=torch.float64)
+    kw["logits"][1, 0, 7] = kw["logits"][2, 2, 500] = kw["logits"][3, 1, 0] = math.inf
+    z, tokens, logprob, lse, _ = _markov(kw, "cpp")
+    rz, rtokens, rlogprob, rlse, _ = _markov(kw, "reference")
+    assert torch.equal(tokens, rtokens), oc.where(case)
+    assert lse[1, 0] == math.inf and lse[3, 1] == math.inf and lse[2, 2] == math.inf
+    _close(lse, None, rlse, "lse")
+    _close(logprob, None, rlogprob, "logprob")
+
+
 def test_rejection_greedy_structural():
     """Greedy: accepted = longest prefix equal to the target's argmax; then the argmax."""
     g = oc.generator("greedy-structural")
@@ -332,6 +407,39 @@ def test_verify_attention_plan_mismatch():
     _raises(lambda: ops.plan_verify_attention(cu_q, kv_lens, bad, kc, h_q=6), "plan_verify_attention",
             "block_tables")
     _raises(lambda: ops.plan_verify_attention(cu_q, kv_lens, bt, kc, h_q=5), "h_q")
+
+
+def test_verify_attention_bad_pages():
+    """Page ids outside the cache: the door refuses host metadata (OpError), the C++ kernel
+    refuses too when reached directly, and the reference (the semantics of the device kernels,
+    which cannot check without a sync) gives NaN in every row of that request and only there."""
+    from dspark_rt import _C
+    case = oc.AttentionCase((3, 2, 4), (20, 5, 9), 6, 2, 16, 8)
+    kw = oc.attention_inputs(case)
+    good = _attention(kw, "reference")
+    cu = kw["cu_q"]
+    for bad_page in (-1, kw["k_cache"].shape[0], 2 ** 31 - 1):
+        bt = kw["block_tables"].clone()
+        bt[1, 0] = bad_page
+        _raises(lambda: _attention({**kw, "block_tables": bt}, "cpp"), "block_tables")
+        got = reference.verify_attention(kw["q"], cu, kw["k_cache"], kw["v_cache"], bt,
+                                         kw["kv_lens"], True, kw["scale"])
+        rows = slice(int(cu[1]), int(cu[2]))
+        assert got[rows].isnan().all(), bad_page
+        keep = torch.ones(got.shape[0], dtype=torch.bool)
+        keep[rows] = False
+        assert torch.equal(got[keep], good[keep]), bad_page
+        p = ops._attention_params(case.R, case.h_q, kw["k_cache"], torch.float32, True)
+        p.max_pages, p.scale = bt.shape[1], kw["scale"]
+        out = torch.empty_like(kw["q"])
+        p.q, p.cu_q, p.k_cache, p.v_cache = (t.data_ptr() for t in (kw["q"], cu, kw["k_cache"], kw["v_cache"]))
+        p.block_tables, p.kv_lens, p.out = bt.data_ptr(), kw["kv_lens"].data_ptr(), out.data_ptr()
+        with pytest.raises(ValueError, match="verify_attention.*bad argument"):
+            _C.verify_attention(p, "cpp", 0)
+    bt = kw["block_tables"].clone()  # kv_len beyond the table row: NaN rows as well
+    got = reference.verify_attention(kw["q"], cu, kw["k_cache"], kw["v_cache"], bt[:, :2],
+                                     kw["kv_lens"], True, kw["scale"])
+    assert got[int(cu[0]):int(cu[1])].isnan().all() and not got[int(cu[1]):].isnan().any()
 
 
 # --------------------------------------------------------------------------------------------

@@ -227,6 +227,36 @@ def test_rejection_sample(case, dtype):
             assert torch.equal(cacc, acc.cpu()) and torch.equal(cout, out.cpu()), where
 
 
+@pytest.mark.parametrize("case", [c for c in REJECTION_CASES if c.drafts == "shifted"], ids=str)
+def test_rejection_cold_residual(case):
+    """T = 0.01-0.03 with the draft's maximum far above the target's: residuals of 1e-4 P that
+    the float pre-filter must not prune (its exponents are differences of terms in the
+    thousands). More keys than test_rejection_sample: emulated in float32, the old flat 1e-4
+    margin lost the reference's token in about one residual sweep in ten."""
+    for key in range(2, 14):
+        kw = oc.rejection_inputs(case, DEV, F32, key=key)
+        acc, out = _rejection(kw, "cuda")
+        racc, rout = _rejection(kw, "reference")
+        assert torch.equal(acc.cpu(), racc.cpu()) and torch.equal(out.cpu(), rout.cpu()), oc.where(case, key)
+
+
+def test_posinf_logits():
+    """A +inf logit: markov_sample's lse is +inf (torch.logsumexp), never NaN, its logprob NaN;
+    rejection_sample emits the reference's tokens."""
+    kw = _markov_inputs(MC(4, 3, 3000, "none", temps="mixed"), F32)
+    kw["logits"][1, 0, 7] = kw["logits"][2, 2, 2500] = kw["logits"][3, 1, 0] = math.inf
+    ref, got = _markov(kw, "reference"), _markov(kw, "cuda")
+    assert torch.equal(got[1].cpu(), ref[1].cpu())
+    for i in (2, 3):  # logprob, lse
+        assert torch.equal(got[i].isnan().cpu(), ref[i].isnan().cpu()), i
+        assert torch.equal(got[i].isposinf().cpu(), ref[i].isposinf().cpu()), i
+    assert got[3][1, 0] == math.inf
+    rk = oc.rejection_inputs(RC(9, 3, 20000, "random", "mixed", "random", coupled="mixed"), DEV, F32)
+    rk["target_logits"][::2, 123] = math.inf
+    rk["target_logits"][1::3, 19999] = math.inf
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(_rejection(rk, "cuda"), _rejection(rk, "reference")))
+
+
 # ---- prefix_topk ------------------------------------------------------------------------------
 PC = oc.PrefixTopkCase
 PREFIX_TOPK_CASES = oc.PREFIX_TOPK_CASES + [PC(512, 8, "ties"), PC(3000, 5, "nan"), PC(1000, 7)]
@@ -298,6 +328,47 @@ def test_verify_attention_plan_reuse(case, dtype):
     for _ in range(2):  # the plan's buffers are reused: a second layer must not see stale partials
         assert torch.equal(ops.verify_attention(*args, **opts, plan=plan), want), oc.where(case)
     assert torch.equal(ops.verify_attention(*args, **opts, plan=plan, out=out), want)
+
+
+@pytest.mark.parametrize("case,dtype", [(AC((3, 5), (4000, 37), 8, 2, 128, 16), BF16),  # split-KV
+                                        (AC((3, 5), (60, 37), 8, 2, 64, 16), F16),     # unsplit
+                                        (AC((3, 5), (60, 37), 6, 2, 96, 16), BF16),    # CUDA cores
+                                        (AC((3, 5), (60, 37), 6, 2, 32, 16), F32)], ids=str)
+def test_verify_attention_bad_pages(case, dtype, monkeypatch):
+    """A page id outside the cache: NaN in every row of that request and nowhere else (the
+    runner's NaN check fails it alone), as the reference; an OpError under DSPARK_CHECK_OPS=1."""
+    kw = oc.attention_inputs(case, DEV, dtype)
+    args, opts = _attention_args(kw), dict(causal=kw["causal"], scale=kw["scale"])
+    good = ops.verify_attention(*args, **opts, backend="cuda")
+    n0 = int(kw["cu_q"][1])
+    for bad_page in (-1, kw["k_cache"].shape[0]):
+        bt = kw["block_tables"].clone()
+        bt[0, 1] = bad_page
+        bad_args = args[:4] + [bt, args[5]]
+        got = ops.verify_attention(*bad_args, **opts, backend="cuda")
+        ref = reference.verify_attention(*bad_args, kw["causal"], kw["scale"])
+        assert got[:n0].isnan().all() and ref[:n0].isnan().all(), bad_page
+        assert torch.equal(got[n0:], good[n0:]), bad_page
+        monkeypatch.setenv("DSPARK_CHECK_OPS", "1")
+        with pytest.raises(ops.OpError, match="block_tables"):
+            ops.verify_attention(*bad_args, **opts, backend="cuda")
+        monkeypatch.delenv("DSPARK_CHECK_OPS")
+
+
+def test_verify_attention_batch_invariant(monkeypatch):
+    """DSPARK_ATTN_BATCH_INVARIANT=1: a row's result is bit-identical alone or in a batch, and
+    as the first entry of a chain or a chain of one (what greedy equality needs); by default
+    the split-KV factor follows the batch and may move it by an ulp."""
+    monkeypatch.setenv("DSPARK_ATTN_BATCH_INVARIANT", "1")
+    case = AC((3, 1, 5), (4000, 37, 295), 8, 2, 128, 16)
+    kw = oc.attention_inputs(case, DEV, BF16)
+    q, cu_q, kc, vc, bt, kv_lens = _attention_args(kw)
+    full = ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, backend="cuda")
+    alone = ops.verify_attention(q[:3], cu_q[:2], kc, vc, bt[:1], kv_lens[:1], backend="cuda")
+    assert torch.equal(full[:3], alone)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=DEV)  # chain entry 0 alone, kv_len - 2
+    first = ops.verify_attention(q[:1], one, kc, vc, bt[:1], kv_lens[:1] - 2, backend="cuda")
+    assert torch.equal(full[:1], first)
 
 
 def test_verify_attention_plan_in_cuda_graph():

@@ -12,6 +12,7 @@
 namespace dspark::cuda {
 
 constexpr float kInfF = __builtin_huge_valf();
+constexpr float kNaNF = __builtin_nanf("");
 constexpr double kInfD = __builtin_huge_val();
 
 // ---- element conversion ----------------------------------------------------------------------

@@ -46,9 +46,15 @@ __global__ void __launch_bounds__(kThreads) PrefixTopkKernel(const float* __rest
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = tid; b < 256; b += kThreads) hist[b] = 0;
     __syncthreads();
-    for (int i = tid; i < n; i += kThreads) {
-      const uint32_t k = key_of(i);
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+    // NOTE: survivals cluster in a few bins (the first passes see only the top exponent bits),
+    // so lanes of a warp mostly hit the same counter: each group of lanes with equal bins adds
+    // its population once (__match_any_sync) instead of serialising up to 32 shared atomics.
+    for (int base = 0; base < n; base += kThreads) {  // warp-uniform trip count
+      const int i = base + tid;
+      const uint32_t k = i < n ? key_of(i) : 0u;
+      const unsigned bin = i < n && (k & mask) == prefix ? (k >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
     }
     __syncthreads();
     if (warp == 0) {

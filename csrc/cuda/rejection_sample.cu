@@ -142,6 +142,13 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
 }
 
 // ---- 2: acceptance tests and the residual sweep ----------------------------------------------
+// Absolute error bound of a float exponent a1 - c and its __expf (see the residual sweep).
+// Capped at 1 so that a masked entry (a1 = -inf, exp = 0) adds 0, not inf * 0 = NaN; an error
+// that large only arises where exp(a1 - c) is 0 or inf in float anyway.
+__device__ __forceinline__ float ErrBound(float a1, float c) {
+  return fminf(4.8e-7f * (fabsf(a1) + fabsf(c) + 1.f), 1.f);  // 2^-21 = 4.77e-7
+}
+
 constexpr int kMaxRows = 64;  // gamma + 1 rows of one request (the launcher checks gamma < 64)
 
 // Merges the C chunk partials of one row with the lanes of a warp, in a fixed tree order.
@@ -244,8 +251,14 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
 
   // Residual Gumbel-max over this block's chunk of row `acc`:
   //   score_v = log(max(0, P_v - q_v)) + gumbel(emit, acc + 1, v).
-  // A float estimate of P - q with a 1e-4 relative error bound decides which entries need the
-  // exact double evaluation (the few that can still reach the running best).
+  // A float upper bound of P - q decides which entries need the exact double evaluation (the
+  // few that can still reach the running best). NOTE: the bound must hold at every scale. The
+  // float exponents a = (x - m) / T - c are differences of terms as large as |x - m| / T and
+  // |c| (thousands at T = 0.01 with a draft maximum far above the target's), each rounded to
+  // float, so their absolute error grows with those terms: ErrBound below is 2^-21 (|a1| + |c|
+  // + 1), eight half-ulps of the largest terms plus __expf's own ~2^-22 relative error, and
+  // the relative error of exp(a) is at most e^err - 1 <= 2 err. A flat 1e-4 margin (the old
+  // bound) is exceeded below T ~ 0.03 and pruned tokens whose residual is positive.
   const double lse_t = lse_row[acc];
   const float m_t = m_row[acc], log_s = logs_row[acc];
   const int64_t dk = static_cast<int64_t>(r) * a.gamma + acc;
@@ -267,9 +280,14 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
     float ub_max = -kInfF;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float pf = __expf((xs[j] - m_t) * inv_t - log_s);
-      const float qf = __expf((zs[j] - m_t) * inv_t - cq);
-      const float diff = (pf - qf) + 1e-4f * (pf + qf);
+      const float ap = (xs[j] - m_t) * inv_t, aq = (zs[j] - m_t) * inv_t;
+      const float pf = __expf(ap - log_s);
+      const float qf = __expf(aq - cq);
+      // P <= pf (1 + 2 ep) and q >= qf (1 - eq); 1e-4 covers the rounding of diff itself.
+      const float ep = ErrBound(ap, log_s), eq = ErrBound(aq, cq);
+      float diff = (pf - qf) + (1e-4f + 2.f * ep) * pf + (1e-4f + eq) * qf;
+      // pf flushed to 0 leaves P below ~2^-125: bound the residual by 2^-124 instead of 0.
+      if (pf == 0.f) diff = fmaxf(diff, 4.7e-38f);
       ub[j] = (j < nvalid && diff > 0.f) ? __logf(diff) : -kInfF;
       // NaN inputs give NaN diff: leave them to the exact path while nothing finite was seen.
       if (j < nvalid && diff != diff) ub[j] = kInfF;

@@ -80,7 +80,9 @@ struct ArgMax {
 // Online log-sum-exp of x / T over raw values x: m = max x (float), s = sum exp((x - m) / T)
 // accumulated in double (each term is a float exp, ~1e-7 relative). Working from the raw
 // maximum keeps the exp arguments small, so the float terms stay accurate even when |x / T| is
-// large. lse = m / T + log(s). NaN anywhere gives NaN (as torch.logsumexp); all -inf gives -inf.
+// large. lse = m / T + log(s). NaN anywhere gives NaN (as torch.logsumexp); all -inf gives -inf;
+// a +inf (and no NaN) gives +inf: once m = +inf, s only records NaNs (exp(inf - inf) would
+// poison it), and Value returns m / T + log(s) = +inf for the s >= 1 left there.
 struct LogSumExp {
   float m;
   double s;
@@ -96,8 +98,10 @@ struct LogSumExp {
       s *= static_cast<double>(__expf((m - mx) * inv_t));  // m = -inf: s is 0 anyway
       m = mx;
     }
-    if (m == -kInfF) {
-      // Nothing finite yet; only a NaN can change the result.
+    if (m == -kInfF || m == kInfF) {
+      // Nothing finite yet, or a +inf seen: only a NaN can change the result. A first +inf
+      // sets s = 1 (whatever the rescale above left, NaN kept).
+      if (m == kInfF && s == s) s = 1.0;
       if (x.x != x.x || x.y != x.y || x.z != x.z || x.w != x.w) s = __int_as_float(0x7fc00000);
       return;
     }
@@ -106,6 +110,11 @@ struct LogSumExp {
          static_cast<double>(__expf((x.z - m) * inv_t)) + static_cast<double>(__expf((x.w - m) * inv_t));
   }
   __device__ __forceinline__ void Merge(const LogSumExp& o, float inv_t) {
+    if (m == kInfF || o.m == kInfF) {  // +inf wins unless either side holds a NaN
+      s = (s != s || o.s != o.s) ? s + o.s : 1.0;
+      m = kInfF;
+      return;
+    }
     if (o.m > m) {
       s = s * static_cast<double>(__expf((m - o.m) * inv_t)) + o.s;
       m = o.m;

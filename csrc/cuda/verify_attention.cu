@@ -22,6 +22,18 @@
 //
 // NOTE: keys at or beyond a request's kv_len are never read (zero-filled instead), so pages or
 // slots the request does not own may hold anything, NaN included.
+// NOTE: bad metadata cannot be checked on the host without a sync. A request whose used
+// block-table entries are not all page ids in [0, num_pages) (or outside its table row) gets
+// NaN in all its output rows, as reference.verify_attention defines: the runner's NaN check
+// then fails that request alone. Every work item scans its request's used entries (4 bytes
+// per page against the page's K/V, at least 2 KB: noise).
+//
+// Batch invariance: the split-KV factor depends on the whole batch (step 1), so a request's
+// 16-bit result can move by an ulp when other requests join. p.batch_invariant never splits:
+// a row then accumulates its keys tile by tile in one fixed order, whatever the batch and the
+// chain length (fully masked tiles change nothing), at the cost of fewer blocks for long
+// contexts at small batch. (A fixed split size would also do, but its partial slots depend on
+// the device's kv_lens, which the host-sized plan buffers cannot bound.)
 #include "verify_attention.h"
 
 #include <algorithm>
@@ -54,6 +66,7 @@ struct AttnArgs {
   int* merge_off;   // [R + 1] first merge unit of each request
   int R, h_q, h_kv, group, head_dim, page_size, max_pages, num_pages;
   bool causal;
+  bool batch_invariant;  // no split-KV: results independent of the rest of the batch
   float scale_log2;  // scale * log2(e)
 };
 
@@ -111,6 +124,19 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* excl, int* warp_su
   return total;
 }
 
+// True in some thread iff request r's used block-table entries hold a page id outside the cache
+// or its kv_len overruns the table row (combine with __syncthreads_or).
+__device__ __forceinline__ bool ThreadSeesBadPage(const AttnArgs& a, int r, int L) {
+  const int32_t* bt = a.block_tables + static_cast<int64_t>(r) * a.max_pages;
+  const int used = (L + a.page_size - 1) / a.page_size;
+  bool bad = used > a.max_pages;
+  for (int i = threadIdx.x; i < min(used, a.max_pages); i += blockDim.x) {
+    const int page = bt[i];
+    bad |= page < 0 || page >= a.num_pages;
+  }
+  return bad;
+}
+
 // ---- 1: plan ----------------------------------------------------------------------------------
 __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ctas) {
   __shared__ int warp_sums[33];
@@ -142,7 +168,9 @@ __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ct
       w += red[1][i];
     }
     long long chunk = 0x7fffffff;
-    if (u < target_ctas) chunk = std::max<long long>(kMinSplitTiles, (w + target_ctas - 1) / target_ctas);
+    if (!a.batch_invariant && u < target_ctas) {
+      chunk = std::max<long long>(kMinSplitTiles, (w + target_ctas - 1) / target_ctas);
+    }
     chunk_s = static_cast<int>(std::min<long long>(chunk, 0x7fffffff));
   }
   __syncthreads();
@@ -243,7 +271,8 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
     const int te = static_cast<int>(static_cast<int64_t>(s + 1) * tiles / S);
     const int key_hi = min(te * kBlockN, kv_end);
 
-    __syncthreads();  // the previous item is done with every tile
+    // Also the barrier after which the previous item is done with every tile.
+    const bool bad = __syncthreads_or(ThreadSeesBadPage(a, r, ri.L));
     // ---- Q tile: packed row p = (query i, group member gg) ----
     {
       const T* qg = static_cast<const T*>(a.q);
@@ -377,7 +406,8 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    if (bad) inv0 = inv1 = kNaNF;  // NaN rows (a split: NaN partials of log-sum-exp +inf)
     const bool ok0 = p0 < rows_here, ok1 = p0 + 8 < rows_here;
     if (S == 1) {
       T* og = static_cast<T*>(a.out);
@@ -407,8 +437,8 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
       }
       if (t == 0) {
         float* pl = a.part_lse + slot * kBlockM;
-        if (ok0) pl[p0] = l0 > 0.f ? m0 + log2f(l0) : -kInfF;
-        if (ok1) pl[p0 + 8] = l1 > 0.f ? m1 + log2f(l1) : -kInfF;
+        if (ok0) pl[p0] = bad ? kInfF : (l0 > 0.f ? m0 + log2f(l0) : -kInfF);
+        if (ok1) pl[p0 + 8] = bad ? kInfF : (l1 > 0.f ? m1 + log2f(l1) : -kInfF);
       }
     }
   }
@@ -472,6 +502,7 @@ __global__ void __launch_bounds__(kThreads) AttnSimtKernel(AttnArgs a) {
   const T* vc = static_cast<const T*>(a.v_cache);
   const int32_t* bt = a.block_tables + static_cast<int64_t>(r) * a.max_pages;
   const float scale = a.scale_log2 / kLog2e;
+  const bool bad = __syncthreads_or(ThreadSeesBadPage(a, r, ri.L));
   for (int i = warp; i < ri.n; i += kThreads / 32) {
     const T* qrow = qg + (static_cast<int64_t>(ri.q0 + i) * a.h_q + hq) * HD;
     for (int d = lane; d < HD; d += 32) qs[warp][d] = ToFloat(qrow[d]) * scale;
@@ -513,7 +544,7 @@ __global__ void __launch_bounds__(kThreads) AttnSimtKernel(AttnArgs a) {
       m = mn;
     }
     T* orow = static_cast<T*>(a.out) + (static_cast<int64_t>(ri.q0 + i) * a.h_q + hq) * HD;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = bad ? kNaNF : (l > 0.f ? 1.f / l : 0.f);
 #pragma unroll
     for (int j = 0; j < kSimtMaxHd / 32; ++j) {
       const int d = lane + 32 * j;
@@ -584,6 +615,7 @@ AttnArgs MakeArgs(const VerifyAttentionParams& p) {
   a.max_pages = static_cast<int>(p.max_pages);
   a.num_pages = static_cast<int>(std::min<int64_t>(p.num_pages, 0x7fffffff));
   a.causal = p.causal;
+  a.batch_invariant = p.batch_invariant;
   a.scale_log2 = p.scale * kLog2e;
   return a;
 }

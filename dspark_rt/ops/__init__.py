@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from ._check import OpError, fail, int_range, tensor
+from ._check import OpError, fail, int_range, tensor, values
 
 try:
     from .. import _C  # type: ignore[attr-defined]
@@ -122,10 +122,11 @@ def _run(op_name, params, backend, device):
 
 def _temperatures(op, temperature, R, dev):
     """[R] float32, finite and >= 0 (0: greedy). Values are checked on host tensors only (a check
-    on the device would synchronise)."""
+    on the device would synchronise), or under DSPARK_CHECK_OPS=1."""
     t = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
-    if t.device.type == "cpu" and t.numel() and not bool((torch.isfinite(t) & (t >= 0)).all()):
-        fail(op, f"temperature values must be finite and >= 0, got {t.tolist()[:8]}")
+    h = values(t)
+    if h is not None and h.numel() and not bool((torch.isfinite(h) & (h >= 0)).all()):
+        fail(op, f"temperature values must be finite and >= 0, got {h.tolist()[:8]}")
     return t
 
 
@@ -254,11 +255,12 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
         draft_logits = tensor(op, "draft_logits", draft_logits, dtype=fdt, shape=(R, gamma, V), device=dev)
         lse_dt = torch.float64 if fdt == torch.float64 else torch.float32
         draft_lse = tensor(op, "draft_lse", draft_lse, dtype=lse_dt, shape=(R, gamma), device=dev)
-    if cu_rows.device.type == "cpu" and R > 0:
-        n = cu_rows[1:] - cu_rows[:-1]
-        if int(cu_rows[0]) != 0 or int(cu_rows[-1]) > N or int(n.min()) < 1 or int(n.max()) > gamma + 1:
+    h_cu = values(cu_rows)
+    if h_cu is not None and R > 0:
+        n = h_cu[1:] - h_cu[:-1]
+        if int(h_cu[0]) != 0 or int(h_cu[-1]) > N or int(n.min()) < 1 or int(n.max()) > gamma + 1:
             fail(op, f"cu_rows must start at 0, end at most at N={N} and give each request "
-                     f"1..gamma+1={gamma + 1} rows, got {cu_rows.tolist()}")
+                     f"1..gamma+1={gamma + 1} rows, got {h_cu.tolist()}")
     temperature = _temperatures(op, temperature, R, dev)
     seed = tensor(op, "seed", seed, dtype=torch.int64, shape=(R,), device=dev)
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
@@ -331,15 +333,18 @@ def _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, N, dev):
         fail(op, f"block_tables must have R={R} rows, got {block_tables.shape[0]}")
     kv_lens = tensor(op, "kv_lens", kv_lens, dtype=torch.int32, shape=(R,), device=dev)
     max_pages = block_tables.shape[1]
-    if dev.type == "cpu" and R > 0:
-        n = cu_q[1:] - cu_q[:-1]
-        if int(cu_q[0]) != 0 or (N is not None and int(cu_q[-1]) > N) or int(n.min()) < 0:
-            fail(op, f"cu_q must be non-decreasing from 0 to at most N={N}, got {cu_q.tolist()}")
-        if bool((kv_lens < n).any()) or int(kv_lens.max()) > max_pages * page_size:
+    # Device metadata is checked only under DSPARK_CHECK_OPS=1; otherwise a request with page
+    # ids outside the cache gets NaN rows from the kernels (reference.verify_attention).
+    h_cu, h_lens, h_tables = values(cu_q), values(kv_lens), values(block_tables)
+    if h_cu is not None and R > 0:
+        n = h_cu[1:] - h_cu[:-1]
+        if int(h_cu[0]) != 0 or (N is not None and int(h_cu[-1]) > N) or int(n.min()) < 0:
+            fail(op, f"cu_q must be non-decreasing from 0 to at most N={N}, got {h_cu.tolist()}")
+        if bool((h_lens < n).any()) or int(h_lens.max()) > max_pages * page_size:
             fail(op, f"kv_lens must lie in [n_q, max_pages * page_size = {max_pages * page_size}], "
-                     f"got {kv_lens.tolist()} for n_q {n.tolist()}")
-        used = torch.arange(max_pages)[None, :] * page_size < kv_lens[:, None].long()
-        int_range(op, "block_tables (used entries)", block_tables[used], 0, num_pages)
+                     f"got {h_lens.tolist()} for n_q {n.tolist()}")
+        used = torch.arange(max_pages)[None, :] * page_size < h_lens[:, None].long()
+        int_range(op, "block_tables (used entries)", h_tables[used], 0, num_pages)
     return cu_q, kv_lens, block_tables
 
 
@@ -349,7 +354,14 @@ def _attention_params(R, h_q, k_cache, dtype, causal):
     p.R, p.h_q, p.h_kv, p.head_dim = R, h_q, h_kv, hd
     p.page_size, p.num_pages = page_size, num_pages
     p.dtype, p.causal = _DTYPE_CODE[dtype], bool(causal)
+    p.batch_invariant = _batch_invariant()
     return p
+
+
+def _batch_invariant():
+    """DSPARK_ATTN_BATCH_INVARIANT=1: verify_attention never splits the KV range on CUDA, so a
+    request's result is bit-identical whatever else is in the batch (greedy-equality runs)."""
+    return os.environ.get("DSPARK_ATTN_BATCH_INVARIANT", "0") not in ("", "0")
 
 
 def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=True, backend=None):
@@ -409,9 +421,16 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     """Ragged paged attention; see reference.verify_attention. Returns [N, h_q, head_dim].
     Rows cu_q[R] .. N-1 belong to no request (the padding of a CUDA-graph bucket): no backend
     reads them, and their output is unspecified (the reference writes zeros, the kernels leave
-    it unwritten). plan: plan_verify_attention's for this batch (None: the call plans itself;
-    same result). out: a contiguous [N, h_q, head_dim] tensor of q's dtype to write (and
-    return) instead of a new one."""
+    it unwritten).
+    Bad metadata: on host tensors an OpError (block-table entries outside the cache included);
+    on device tensors an OpError under DSPARK_CHECK_OPS=1, else NaN rows for the bad request.
+    Batch invariance: on CUDA the split-KV factor is chosen for the whole batch (to fill the
+    GPU), so a request's 16-bit output may differ by an ulp when other requests join or leave;
+    DSPARK_ATTN_BATCH_INVARIANT=1 never splits (results depend on the request alone; slower for
+    long contexts at small batch). The CPU kernel is batch-invariant.
+    plan: plan_verify_attention's for this batch (None: the call plans itself; same result).
+    out: a contiguous [N, h_q, head_dim] tensor of q's dtype to write (and return) instead of a
+    new one."""
     op = "verify_attention"
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         fail(op, "q must be a [N, h_q, head_dim] tensor")

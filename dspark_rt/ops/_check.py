@@ -1,4 +1,10 @@
-"""Boundary checks for the ops door: every tensor is checked once, by name."""
+"""Boundary checks for the ops door: every tensor is checked once, by name.
+
+Value checks (index ranges, lengths) run on host tensors only: on device tensors they would
+cost a synchronising copy per call. DSPARK_CHECK_OPS=1 (debugging) runs them on device tensors
+too, through such a copy (skipped while a CUDA graph is being captured)."""
+import os
+
 import torch
 
 
@@ -29,9 +35,21 @@ def tensor(op, name, t, *, dtype=None, dtypes=None, shape=None, ndim=None, devic
     return t.contiguous()
 
 
+def values(t):
+    """t on the host when its values may be checked (a host tensor, or any tensor under
+    DSPARK_CHECK_OPS=1 outside CUDA-graph capture, where a copy cannot run), else None."""
+    if t.device.type == "cpu":
+        return t
+    if os.environ.get("DSPARK_CHECK_OPS", "0") in ("", "0"):
+        return None
+    return None if torch.cuda.is_current_stream_capturing() else t.cpu()
+
+
 def int_range(op, name, t, lo, hi):
-    """Values of an integer tensor must lie in [lo, hi). Host tensors only (no device sync)."""
-    if t.device.type == "cpu" and t.numel():
+    """Values of an integer tensor must lie in [lo, hi). Host tensors only (no device sync)
+    unless DSPARK_CHECK_OPS=1."""
+    t = values(t)
+    if t is not None and t.numel():
         mn, mx = int(t.min()), int(t.max())
         if mn < lo or mx >= hi:
             fail(op, f"{name} values must lie in [{lo}, {hi}), got range [{mn}, {mx}]")

@@ -224,6 +224,9 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: b
     KV head h // (h_q / h_kv). Causal: chain entry i sits at position kv_len - n + i and sees keys
     0 .. kv_len - n + i; bidirectional: sees all kv_len keys. softmax(scale * q.k) @ v, formed in
     float64 for float64 inputs and float32 otherwise. Returns out [N, h_q, head_dim] in q's dtype.
+    A request whose used block-table entries (the first ceil(kv_len / page_size)) are not all
+    page ids in [0, num_pages), or are more than max_pages, gets NaN in all its rows: bad metadata
+    on the device (not checked there without a sync) then fails that request, never another.
     """
     N, h_q, hd = q.shape
     h_kv, ps = k_cache.shape[2], k_cache.shape[1]
@@ -235,7 +238,11 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: b
         n, L = hi - lo, int(kv_lens[r])
         if n == 0:
             continue
-        pages = block_tables[r, : (L + ps - 1) // ps].long()
+        used = (L + ps - 1) // ps
+        pages = block_tables[r, :used].long()
+        if used > block_tables.shape[1] or bool(((pages < 0) | (pages >= k_cache.shape[0])).any()):
+            out[lo:hi] = math.nan
+            continue
         k = k_cache[pages].reshape(-1, h_kv, hd)[:L].to(acc).repeat_interleave(group, dim=1)
         v = v_cache[pages].reshape(-1, h_kv, hd)[:L].to(acc).repeat_interleave(group, dim=1)
         s = torch.einsum("nhd,lhd->hnl", q[lo:hi].to(acc), k) * scale

@@ -81,8 +81,11 @@ def _seeds(rd, R):
 
 
 def _temperatures(rd, R, mode):
-    """[R] float32: 0 (greedy), U(0.3, 2) (sampled) or both interleaved (mixed)."""
+    """[R] float32: 0 (greedy), U(0.3, 2) (sampled), both interleaved (mixed) or U(0.01, 0.03)
+    (cold: z / T in the thousands, where float exponents lose digits)."""
     t = 0.3 + 1.7 * rd.rand(R)
+    if mode == "cold":
+        t = 0.01 + 0.02 * rd.rand(R)
     if mode == "greedy":
         t.zero_()
     elif mode == "mixed":
@@ -184,7 +187,11 @@ class RejectionCase:
     V: int
     ells: str = "random"     # full (l = gamma) | random (0..gamma) | zero (l = 0)
     temps: str = "mixed"
-    drafts: str = "likely"   # likely: q close to P and x ~ q (long acceptances) | random
+    drafts: str = "likely"   # likely: q close to P and x ~ q (long acceptances) | random |
+                             # shifted: target ~ -100, z = target + 100 exactly (the draft's max
+                             # far above the target's), the drafted token is the target's least
+                             # likely with q(x) = 1e-4 (rejected), so the residual max(0, P - q)
+                             # is 1e-4 P everywhere: the float pre-filter's hard case at T = 0.01
     noncontig: bool = False
     coupled: str = "none"    # none | mixed | all (_coupled); likely coupled drafts are the
                              # target's coupled tokens until a random miss
@@ -204,6 +211,8 @@ REJECTION_CASES = [
     RejectionCase(5, 4, 517, "full", "sampled", coupled="all"),
     RejectionCase(3, 0, 37, "zero", "sampled", coupled="mixed"),
     RejectionCase(7, 7, 129, "random", "mixed", "random", noncontig=True, coupled="mixed"),
+    RejectionCase(6, 2, 1000, "full", "cold", "shifted"),
+    RejectionCase(4, 3, 5003, "random", "cold", "shifted"),
 ]
 
 
@@ -241,6 +250,16 @@ def rejection_inputs(case: RejectionCase, device="cpu", dtype=torch.float32, key
             else:
                 q = torch.softmax(draft[r, :n] / tsafe[r], -1)
                 tokens[r, :n] = rd.multinomial(q)[:, 0]
+    elif case.drafts == "shifted":
+        for r in range(R):
+            n, lo = int(ells[r]), int(cu[r])
+            # log P spread of std 3 at any T; float32 values, so that + 100 is exact in float32
+            target[lo:lo + n + 1] = (target[lo:lo + n + 1] * (1.5 * tsafe[r]) - 100.0).float()
+            draft[r, :n] = target[lo:lo + n] + 100.0
+            for k in range(n):
+                x = int(target[lo + k].argmin())
+                tokens[r, k] = x
+                draft[r, k, x] = tsafe[r] * (torch.logsumexp(draft[r, k] / tsafe[r], 0) + math.log(1e-4))
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     draft_c = draft.to(device=device, dtype=dtype)
     draft_lse = torch.logsumexp(draft_c.double() / tsafe.to(device).double()[:, None, None], -1)
