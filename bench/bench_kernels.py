@@ -5,9 +5,9 @@ markov_sample, rejection_sample, prefix_topk, verify_attention, each at its goal
     python bench/bench_kernels.py [--device cpu|cuda] [--json PATH] [--quick] [--compile]
                                   [--flex none|one|all] [--ops markov_sample ...]
 
-The JSON ({"header", "ops": {op: {"header", "rows"} or {"error"}}, "seconds": {op: s}}) is
-rewritten after every op, so a run cut short by a time limit keeps what it measured; an op that
-fails is recorded and the next one still runs.
+The JSON ({"header", "ops": {op: {"header", "rows", "error"?}}, "seconds": {op: s}}) is
+rewritten after every row, so a run cut short by a time limit keeps what it measured; an op that
+fails is recorded with the rows it had and the next one still runs.
 """
 import argparse
 import json
@@ -40,18 +40,24 @@ def main(argv=None) -> dict:
     path, args.json = args.json, None  # the benches print; this driver writes the one JSON
     dev = torch.device(args.device)
     res = {"header": header(dev, quiet=True), "args": sys.argv[1:], "ops": {}, "seconds": {}}
+    save = lambda: path and Path(path).write_text(json.dumps(res, indent=1, default=str))
     for op in args.ops:
         print(f"\n==== {op}", flush=True)
         t0 = time.perf_counter()
+
+        def on_row(report, op=op):  # every row saved as it comes: a time limit keeps them
+            res["ops"][op] = report.result()
+            save()
+
+        args.on_row = on_row
         try:
             res["ops"][op] = BENCHES[op].run(args)
-        except Exception as e:  # recorded; the next op still runs
+        except Exception as e:  # recorded with the rows it had; the next op still runs
             traceback.print_exc()
-            res["ops"][op] = {"error": f"{type(e).__name__}: {e}"}
+            res["ops"][op] = dict(res["ops"].get(op, {}), error=f"{type(e).__name__}: {e}")
         res["seconds"][op] = round(time.perf_counter() - t0, 1)
         free(dev)
-        if path:
-            Path(path).write_text(json.dumps(res, indent=1, default=str))
+        save()
     print(f"\nbench_kernels: {', '.join(f'{k} {v} s' for k, v in res['seconds'].items())}"
           + (f"; wrote {path}" if path else ""))
     return res

@@ -97,6 +97,33 @@ def flex_paged(q, k_cache, v_cache, block_tables, kv_lens, R, n, scale, compile_
     return fn, lambda o: o.transpose(1, 2).reshape(R * n, h_q, hd)
 
 
+def inputs(R, ctx, n, h_q, h_kv, hd, dev, dtype):
+    case = oc.AttentionCase((n,) * R, (ctx,) * R, h_q, h_kv, hd, 16, extra_pages=0)
+    kw = oc.attention_inputs(case, dev, dtype, gen_device=dev)
+    return [kw.pop(k) for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")], kw
+
+
+def time_flex(rep, row, R, ctx, n, h_q, h_kv, hd, dev, dtype):
+    """Adds flex_us to a measured row (fresh inputs of the same shape); its compilation runs
+    after every other shape so that it cannot cost them their time."""
+    args_, kw = inputs(R, ctx, n, h_q, h_kv, hd, dev, dtype)
+    q, _, k_cache, v_cache, bt, kv_lens = args_
+    try:
+        want = ops.verify_attention(*args_, backend="reference", **kw).float()
+        fn, unpack = flex_paged(q, k_cache, v_cache, bt, kv_lens, R, n, kw["scale"])
+        row["flex_max_abs_err"] = float((unpack(fn()).float() - want).abs().max())
+        row["flex_us"] = round(time_us(fn, dev)[0], 1)
+        row["ratio_vs_flex"] = row["flex_us"] / row["us"]
+        print(f"{row['shape']:<44}FlexAttention over the paged cache: {row['flex_us']} us "
+              f"(kernel {row['ratio_vs_flex']:.2f}x faster), max abs err {row['flex_max_abs_err']:.3g}")
+    except Exception as e:  # a torch without it, or a compile failure: say so, go on
+        row["flex_us"] = None
+        print(f"  FlexAttention failed at {row['shape']}: {type(e).__name__}: "
+              f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+    if getattr(rep.args, "on_row", None):
+        rep.args.on_row(rep)
+
+
 def run(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -112,11 +139,11 @@ def run(args) -> dict:
         if flex != "none":
             print("  flex: not timed on the CPU (compiled FlexAttention is timed on CUDA only)")
             flex = "none"
+    grid = grid[:2] if args.quick else grid
     n, s = 8, torch.finfo(dtype).bits // 8
-    for R, ctx in grid[:2] if args.quick else grid:
-        case = oc.AttentionCase((n,) * R, (ctx,) * R, h_q, h_kv, hd, 16, extra_pages=0)
-        kw = oc.attention_inputs(case, dev, dtype, gen_device=dev)
-        args_ = [kw.pop(k) for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")]
+    flex_rows = []
+    for R, ctx in grid:
+        args_, kw = inputs(R, ctx, n, h_q, h_kv, hd, dev, dtype)
         call = lambda backend: ops.verify_attention(*args_, backend=backend, **kw)
         q, cu_q, k_cache, v_cache, bt, kv_lens = args_
         make_plan = lambda: ops.plan_verify_attention(cu_q, kv_lens, bt, k_cache, h_q=h_q,
@@ -129,8 +156,7 @@ def run(args) -> dict:
         unplanned_us = median_us(lambda: call(be), dev)
         plan_us = median_us(make_plan, dev)
         ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5)
-        L, extra = ctx + n, {}
-        base_us = None
+        L, extra, base_us = ctx + n, {}, None
         for explicit in (False, True):
             try:
                 fn, unpack = sdpa_baseline(q, k_cache, v_cache, bt, R, n, L, kw["scale"], explicit)
@@ -142,24 +168,17 @@ def run(args) -> dict:
             except Exception as e:  # this torch's SDPA refuses the bias: the plain mask next
                 print(f"  SDPA ({'explicit' if explicit else 'lower-right bias'}) failed: "
                       f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-        free(dev)
-        if flex == "all" or (flex == "one" and (R, ctx) == (32, 4096)):
-            try:
-                fn, unpack = flex_paged(q, k_cache, v_cache, bt, kv_lens, R, n, kw["scale"])
-                extra["flex_max_abs_err"] = float((unpack(fn()).float() - want).abs().max())
-                extra["flex_us"] = round(time_us(fn, dev)[0], 1)
-                print(f"  FlexAttention (paged block mask): {extra['flex_us']} us "
-                      f"({extra['flex_us'] / us:.2f}x the kernel's time)")
-                del fn
-            except Exception as e:  # a torch without it, or a compile failure: say so, go on
-                extra["flex_us"] = None
-                print(f"  FlexAttention failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         flops = R * sum(4 * h_q * hd * (L - n + i + 1) for i in range(n))
-        rep.add(f"R={R} ctx={ctx} h={h_q}/{h_kv} hd={hd}", us, ref_us,
-                must_move(R, ctx, n, h_q, h_kv, hd, s), flops, base_us=base_us, timed=how,
-                max_abs_err_vs_ref=err, unplanned_us=round(unplanned_us, 1),
-                plan_us=round(plan_us, 1), **extra)
+        row = rep.add(f"R={R} ctx={ctx} h={h_q}/{h_kv} hd={hd}", us, ref_us,
+                      must_move(R, ctx, n, h_q, h_kv, hd, s), flops, base_us=base_us, timed=how,
+                      max_abs_err_vs_ref=err, unplanned_us=round(unplanned_us, 1),
+                      plan_us=round(plan_us, 1), **extra)
+        if flex == "all" or (flex == "one" and (R, ctx) == (32, 4096)):
+            flex_rows.append((row, R, ctx))
         del kw, args_, q, k_cache, v_cache, plan, out, want
+        free(dev)
+    for row, R, ctx in flex_rows:
+        time_flex(rep, row, R, ctx, n, h_q, h_kv, hd, dev, dtype)
         free(dev)
     return rep.finish()
 

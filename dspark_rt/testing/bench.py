@@ -265,6 +265,9 @@ class Report:
             if row.get("compiled_ref_us") else ""
         print(f"{shape:<44}{us:10.1f}{ref}{base}{nbytes / 1e6:9.2f}{flops / 1e9:8.3f}"
               f"{row['gbps']:8.1f}{row['frac_of_floor']:7.3f}{comp}", flush=True)
+        if getattr(self.args, "on_row", None):  # bench_kernels: saves after every row
+            self.args.on_row(self)
+        return row
 
     def result(self) -> dict:
         return {"op": self.op, "header": self.info, "rows": self.rows}
