@@ -63,46 +63,48 @@ def torch_baseline(logits, hidden, anchor, w1, w2, temperature):
     return torch.stack(toks, 1), torch.stack(lse, 1)
 
 
+def measure(rep, args, dev, R, G, V, r, d, wdt, l2):
+    """One shape's row (its GBs of inputs are freed on return)."""
+    be = backend_for(dev)
+    case = oc.MarkovCase(R, G, V, "vanilla", rank=r, d=d, conf="markov", temps="sampled")
+    kw = oc.markov_inputs(case, dev, torch.float32, gen_device=dev)
+    for k in ("hidden", "w1", "w2", "conf_w", "conf_b"):
+        kw[k] = kw[k].to(wdt)
+    U0 = kw.pop("logits")
+    logits = U0.clone()
+    hidden, anchor, head = kw.pop("hidden"), kw.pop("anchor"), kw.pop("head")
+    call = lambda backend: ops.markov_sample(logits, hidden, anchor, head, backend=backend, **kw)
+    restore = lambda: logits.copy_(U0)
+    # Benchmarked inputs are checked inputs: the tokens must be the reference's.
+    restore()
+    ours = call(be)[0].clone()
+    restore()
+    match = float((ours == call("reference")[0]).double().mean())
+    us, how = time_us(lambda: call(be), dev, setup=restore)
+    ref_us = median_us(lambda: call("reference"), dev, setup=restore, warmup=1, runs=5)
+    base_us = baseline_us(lambda: torch_baseline(logits, hidden, anchor, kw["w1"], kw["w2"],
+                                                 kw["temperature"]), dev, setup=restore)
+    extra = {}
+    if args.compile:
+        extra["compiled_ref_us"] = compiled_us(
+            lambda: reference.markov_sample(logits, hidden, anchor, head, **kw), dev,
+            setup=restore, runs=5)
+    s = torch.finfo(wdt).bits // 8
+    rep.add(f"R={R} gamma={G} V={V} r={r} weights={str(wdt)[6:]}", us, ref_us,
+            must_move(R, G, V, r, d, s, l2), 2 * R * G * V * r, base_us=base_us, timed=how,
+            tokens_match=match, **extra)
+    if match < 1:
+        print(f"  WARNING: {100 * (1 - match):.2f}% of tokens differ from the reference")
+
+
 def run(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     weight_dtypes = [torch.bfloat16] if cuda else [torch.float32, torch.bfloat16][:1 if args.quick else 2]
-    be = backend_for(dev)
     rep = Report("markov_sample", dev, weight_dtypes[0], args, baseline=BASELINE)
     V, r, d, grid = shapes(cuda, args.quick)
-    l2 = l2_bytes(dev)
     for (R, G), wdt in ((g, w) for g in grid for w in weight_dtypes):
-        case = oc.MarkovCase(R, G, V, "vanilla", rank=r, d=d, conf="markov", temps="sampled")
-        kw = oc.markov_inputs(case, dev, torch.float32, gen_device=dev)
-        for k in ("hidden", "w1", "w2", "conf_w", "conf_b"):
-            kw[k] = kw[k].to(wdt)
-        U0 = kw.pop("logits")
-        logits = U0.clone()
-        hidden, anchor, head = kw.pop("hidden"), kw.pop("anchor"), kw.pop("head")
-        call = lambda backend: ops.markov_sample(logits, hidden, anchor, head, backend=backend, **kw)
-        restore = lambda: logits.copy_(U0)
-        # Benchmarked inputs are checked inputs: the tokens must be the reference's.
-        restore()
-        ours = call(be)[0].clone()
-        restore()
-        ref = call("reference")[0]
-        match = float((ours == ref).double().mean())
-        us, how = time_us(lambda: call(be), dev, setup=restore)
-        ref_us = median_us(lambda: call("reference"), dev, setup=restore, warmup=1, runs=5)
-        base_us = baseline_us(lambda: torch_baseline(logits, hidden, anchor, kw["w1"], kw["w2"],
-                                                     kw["temperature"]), dev, setup=restore)
-        extra = {}
-        if args.compile:
-            extra["compiled_ref_us"] = compiled_us(
-                lambda: reference.markov_sample(logits, hidden, anchor, head, **kw), dev,
-                setup=restore, runs=5)
-        s = torch.finfo(wdt).bits // 8
-        rep.add(f"R={R} gamma={G} V={V} r={r} weights={str(wdt)[6:]}", us, ref_us,
-                must_move(R, G, V, r, d, s, l2), 2 * R * G * V * r, base_us=base_us, timed=how,
-                tokens_match=match, **extra)
-        if match < 1:
-            print(f"  WARNING: {100 * (1 - match):.2f}% of tokens differ from the reference")
-        del kw, U0, logits, hidden, ours, ref
+        measure(rep, args, dev, R, G, V, r, d, wdt, l2_bytes(dev))
         free(dev)
     return rep.finish()
 

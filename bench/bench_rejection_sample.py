@@ -4,7 +4,7 @@ plain-torch baseline (softmax, gather, comparisons, one sample).
     python bench/bench_rejection_sample.py [--device cpu|cuda] [--json PATH] [--quick]
 
 Shapes: CUDA (the goal shapes) R in {1, 32, 128, 256}, gamma=7, V=151936; CPU (scaled down)
-R in {1, 8, 32}, gamma=7, V=32000. float32 logits, every request verifies gamma drafts drawn
+R in {1, 8, 32} (--quick: 1, 2), gamma=7, V=32000. float32 logits, every request verifies gamma drafts drawn
 from q close to P (long acceptances), sampled rows.
 
 Bytes the op must move, from the acceptances a_r this run produced (l_r = gamma drafts checked):
@@ -61,33 +61,38 @@ def torch_baseline(target, draft_logits, draft_lse, tokens, temperature):
     return n, out.scatter_(1, n.long()[:, None], y[:, None])
 
 
+def measure(rep, dev, R, G, V):
+    """One shape's row (its GBs of inputs are freed on return)."""
+    be = backend_for(dev)
+    case = oc.RejectionCase(R, G, V, "full", "sampled", "likely")
+    kw = oc.rejection_inputs(case, dev, torch.float32, gen_device=dev)
+    args_ = [kw.pop(k) for k in ("target_logits", "cu_rows", "draft_tokens", "draft_logits", "draft_lse")]
+    call = lambda backend: ops.rejection_sample(*args_, backend=backend, **kw)
+    acc, out = call(be)
+    racc, rout = call("reference")
+    match = bool(torch.equal(acc, racc) and torch.equal(out, rout))
+    us, how = time_us(lambda: call(be), dev)
+    ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5)
+    target, cu_rows, tokens, draft, lse = args_
+    base = lambda: torch_baseline(target, draft, lse, tokens, kw["temperature"])
+    base_us = baseline_us(base, dev)
+    base_acc = float(base()[0].float().mean()) if base_us else None
+    rep.add(f"R={R} gamma={G} V={V}", us, ref_us, must_move(acc, cu_rows, V), 0.0,
+            base_us=base_us, timed=how, outputs_match=match, mean_accepted=float(acc.float().mean()),
+            baseline_mean_accepted=base_acc)
+    if not match:
+        print("  WARNING: outputs differ from the reference")
+
+
 def run(args) -> dict:
     dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    dtype = torch.float32
-    be = backend_for(dev)
-    rep = Report("rejection_sample", dev, dtype, args, baseline=BASELINE)
-    grid = [(R, 7, 151936) for R in (1, 32, 128, 256)] if cuda else [(1, 7, 32000), (8, 7, 32000), (32, 7, 32000)]
+    rep = Report("rejection_sample", dev, torch.float32, args, baseline=BASELINE)
+    if dev.type == "cuda":
+        grid = [(R, 7, 151936) for R in (1, 32, 128, 256)]
+    else:  # quick: R=2 for R=8, the reference loops over requests in Python
+        grid = [(1, 7, 32000), (2 if args.quick else 8, 7, 32000), (32, 7, 32000)]
     for R, G, V in grid[:2] if args.quick else grid:
-        case = oc.RejectionCase(R, G, V, "full", "sampled", "likely")
-        kw = oc.rejection_inputs(case, dev, dtype, gen_device=dev)
-        args_ = [kw.pop(k) for k in ("target_logits", "cu_rows", "draft_tokens", "draft_logits", "draft_lse")]
-        call = lambda backend: ops.rejection_sample(*args_, backend=backend, **kw)
-        acc, out = call(be)
-        racc, rout = call("reference")
-        match = bool(torch.equal(acc, racc) and torch.equal(out, rout))
-        us, how = time_us(lambda: call(be), dev)
-        ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5)
-        target, _, tokens, draft, lse = args_
-        base_us = baseline_us(lambda: torch_baseline(target, draft, lse, tokens, kw["temperature"]), dev)
-        base_acc = float(torch_baseline(target, draft, lse, tokens, kw["temperature"])[0].float().mean()) \
-            if base_us else None
-        rep.add(f"R={R} gamma={G} V={V}", us, ref_us, must_move(acc, args_[1], V), 0.0,
-                base_us=base_us, timed=how, outputs_match=match, mean_accepted=float(acc.float().mean()),
-                baseline_mean_accepted=base_acc)
-        if not match:
-            print("  WARNING: outputs differ from the reference")
-        del kw, args_, target, tokens, draft, lse, acc, out, racc, rout
+        measure(rep, dev, R, G, V)
         free(dev)
     return rep.finish()
 

@@ -30,7 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dspark_rt.testing.bench import Report, add_args, backend_for, baseline_us, free, median_us, time_us
+from dspark_rt.testing.bench import (Report, add_args, backend_for, baseline_us, free, median_us, time_us,
+                                     why)
 
 from dspark_rt.testing import op_cases as oc  # benchmarked inputs are tested inputs
 from dspark_rt import ops  # noqa: E402
@@ -118,17 +119,49 @@ def time_flex(rep, row, R, ctx, n, h_q, h_kv, hd, dev, dtype):
               f"(kernel {row['ratio_vs_flex']:.2f}x faster), max abs err {row['flex_max_abs_err']:.3g}")
     except Exception as e:  # a torch without it, or a compile failure: say so, go on
         row["flex_us"] = None
-        print(f"  FlexAttention failed at {row['shape']}: {type(e).__name__}: "
-              f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+        print(f"  FlexAttention failed at {row['shape']}: {why(e)}")
     if getattr(rep.args, "on_row", None):
         rep.args.on_row(rep)
+
+
+def measure(rep, dev, dtype, R, ctx, n, h_q, h_kv, hd) -> dict:
+    """One shape's row (its GBs of caches are freed on return)."""
+    be = backend_for(dev)
+    args_, kw = inputs(R, ctx, n, h_q, h_kv, hd, dev, dtype)
+    call = lambda backend: ops.verify_attention(*args_, backend=backend, **kw)
+    q, cu_q, k_cache, v_cache, bt, kv_lens = args_
+    make_plan = lambda: ops.plan_verify_attention(cu_q, kv_lens, bt, k_cache, h_q=h_q,
+                                                  causal=kw["causal"], backend=be)
+    plan, out = make_plan(), torch.empty_like(q)
+    planned = lambda: ops.verify_attention(*args_, plan=plan, out=out, **kw)
+    want = call("reference").float()
+    err = float((planned().float() - want).abs().max())
+    us, how = time_us(planned, dev)
+    unplanned_us = median_us(lambda: call(be), dev)
+    plan_us = median_us(make_plan, dev)
+    ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5)
+    L, extra, base_us = ctx + n, {}, None
+    for explicit in (False, True):
+        try:
+            fn, unpack = sdpa_baseline(q, k_cache, v_cache, bt, R, n, L, kw["scale"], explicit)
+            extra["sdpa_max_abs_err"] = float((unpack(fn()).float() - want).abs().max())
+            extra["sdpa_mask"] = "explicit bool" if explicit else "causal_lower_right"
+            base_us = baseline_us(fn, dev)
+            break
+        except Exception as e:  # this torch's SDPA refuses the bias: the plain mask next
+            print(f"  SDPA ({'explicit' if explicit else 'lower-right bias'}) failed: {why(e)}")
+    flops = R * sum(4 * h_q * hd * (L - n + i + 1) for i in range(n))
+    s = torch.finfo(dtype).bits // 8
+    return rep.add(f"R={R} ctx={ctx} h={h_q}/{h_kv} hd={hd}", us, ref_us,
+                   must_move(R, ctx, n, h_q, h_kv, hd, s), flops, base_us=base_us, timed=how,
+                   max_abs_err_vs_ref=err, unplanned_us=round(unplanned_us, 1),
+                   plan_us=round(plan_us, 1), **extra)
 
 
 def run(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    be = backend_for(dev)
     rep = Report("verify_attention", dev, dtype, args, baseline=BASELINE)
     flex = getattr(args, "flex", None) or ("one" if cuda else "none")
     if cuda:
@@ -139,45 +172,13 @@ def run(args) -> dict:
         if flex != "none":
             print("  flex: not timed on the CPU (compiled FlexAttention is timed on CUDA only)")
             flex = "none"
-    grid = grid[:2] if args.quick else grid
-    n, s = 8, torch.finfo(dtype).bits // 8
-    flex_rows = []
-    for R, ctx in grid:
-        args_, kw = inputs(R, ctx, n, h_q, h_kv, hd, dev, dtype)
-        call = lambda backend: ops.verify_attention(*args_, backend=backend, **kw)
-        q, cu_q, k_cache, v_cache, bt, kv_lens = args_
-        make_plan = lambda: ops.plan_verify_attention(cu_q, kv_lens, bt, k_cache, h_q=h_q,
-                                                      causal=kw["causal"], backend=be)
-        plan, out = make_plan(), torch.empty_like(q)
-        planned = lambda: ops.verify_attention(*args_, plan=plan, out=out, **kw)
-        want = call("reference").float()
-        err = float((planned().float() - want).abs().max())
-        us, how = time_us(planned, dev)
-        unplanned_us = median_us(lambda: call(be), dev)
-        plan_us = median_us(make_plan, dev)
-        ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5)
-        L, extra, base_us = ctx + n, {}, None
-        for explicit in (False, True):
-            try:
-                fn, unpack = sdpa_baseline(q, k_cache, v_cache, bt, R, n, L, kw["scale"], explicit)
-                extra["sdpa_max_abs_err"] = float((unpack(fn()).float() - want).abs().max())
-                extra["sdpa_mask"] = "explicit bool" if explicit else "causal_lower_right"
-                base_us = baseline_us(fn, dev)
-                del fn
-                break
-            except Exception as e:  # this torch's SDPA refuses the bias: the plain mask next
-                print(f"  SDPA ({'explicit' if explicit else 'lower-right bias'}) failed: "
-                      f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-        flops = R * sum(4 * h_q * hd * (L - n + i + 1) for i in range(n))
-        row = rep.add(f"R={R} ctx={ctx} h={h_q}/{h_kv} hd={hd}", us, ref_us,
-                      must_move(R, ctx, n, h_q, h_kv, hd, s), flops, base_us=base_us, timed=how,
-                      max_abs_err_vs_ref=err, unplanned_us=round(unplanned_us, 1),
-                      plan_us=round(plan_us, 1), **extra)
+    n, flex_rows = 8, []
+    for R, ctx in grid[:2] if args.quick else grid:
+        row = measure(rep, dev, dtype, R, ctx, n, h_q, h_kv, hd)
         if flex == "all" or (flex == "one" and (R, ctx) == (32, 4096)):
             flex_rows.append((row, R, ctx))
-        del kw, args_, q, k_cache, v_cache, plan, out, want
         free(dev)
-    for row, R, ctx in flex_rows:
+    for row, R, ctx in flex_rows:  # last: compiling must not cost the other shapes their time
         time_flex(rep, row, R, ctx, n, h_q, h_kv, hd, dev, dtype)
         free(dev)
     return rep.finish()

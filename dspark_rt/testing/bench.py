@@ -58,6 +58,12 @@ def compiled_us(fn, device, **kw):
         return None
 
 
+def why(e: Exception) -> str:
+    """An exception in one line, for the benchmark logs."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:120] if text else ''}"
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -112,7 +118,7 @@ def _capture(fn, device, setup):
         sync(device)
         return g
     except Exception as e:  # eager timing instead; say why
-        print(f"  (not capturable, timed eagerly: {type(e).__name__}: {str(e).splitlines()[0][:100]})")
+        print(f"  (not capturable, timed eagerly: {why(e)})")
         try:
             sync(device)
         except Exception:
@@ -162,7 +168,7 @@ def baseline_us(fn, device, **kw):
     try:
         return time_us(fn, device, **kw)[0]
     except Exception as e:
-        print(f"  baseline failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        print(f"  baseline failed: {why(e)}")
         return None
 
 
@@ -244,6 +250,9 @@ class Report:
               f"{self.ceil['matmul_tflops']:.2f} TFLOP/s ({self.ceil['matmul_dtype']}); "
               f"floor = max(bytes / copy, FLOPs / matmul)")
         print(f"  x_ref: speed-up over the eager reference; x_base: over the baseline, {baseline}")
+        if torch.device(device).type == "cpu":
+            print("  (CPU: the copy ceiling is measured past the caches, so inputs that fit in them "
+                  "can beat the floor)")
         print(f"{'shape':<44}{'us':>10}{'ref_us':>11}{'x_ref':>7}{'base_us':>10}{'x_base':>7}"
               f"{'MB':>9}{'GFLOP':>8}{'GB/s':>8}{'floor':>7}")
         self.rows = []
