@@ -38,8 +38,7 @@ demo: build
 	$(PY) -m dspark_rt demo $(DEMO_ARGS)
 
 bench-cpu: build
-	for op in markov_sample rejection_sample prefix_topk verify_attention; do \
-	  $(PY) bench/bench_$$op.py --device cpu || exit 1; done
+	$(PY) bench/bench_kernels.py --device cpu
 
 clean:
 	rm -rf build *.egg-info dspark_rt/*.so $(VENV)/.build-*

@@ -1,0 +1,67 @@
+"""Every kernel benchmark in one process (one CUDA context, one ceiling measurement, one JSON):
+markov_sample, rejection_sample, prefix_topk, verify_attention, each at its goal shapes on CUDA
+(the shapes its bench header names; --quick: the first two of each).
+
+    python bench/bench_kernels.py [--device cpu|cuda] [--json PATH] [--quick] [--compile]
+                                  [--flex none|one|all] [--ops markov_sample ...]
+
+The JSON ({"header", "ops": {op: {"header", "rows", "error"?}}, "seconds": {op: s}}) is
+rewritten after every row, so a run cut short by a time limit keeps what it measured; an op that
+fails is recorded with the rows it had and the next one still runs.
+"""
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the four bench_<op>.py beside this file
+
+import bench_markov_sample  # noqa: E402
+import bench_prefix_topk  # noqa: E402
+import bench_rejection_sample  # noqa: E402
+import bench_verify_attention  # noqa: E402
+
+from dspark_rt.testing.bench import add_args, free, header  # noqa: E402
+
+BENCHES = {"markov_sample": bench_markov_sample, "rejection_sample": bench_rejection_sample,
+           "prefix_topk": bench_prefix_topk, "verify_attention": bench_verify_attention}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    bench_verify_attention.add_flex_arg(ap)
+    ap.add_argument("--ops", nargs="+", choices=list(BENCHES), default=list(BENCHES))
+    args = ap.parse_args(argv)
+    path, args.json = args.json, None  # the benches print; this driver writes the one JSON
+    dev = torch.device(args.device)
+    res = {"header": header(dev, quiet=True), "args": sys.argv[1:], "ops": {}, "seconds": {}}
+    save = lambda: path and Path(path).write_text(json.dumps(res, indent=1, default=str))
+    for op in args.ops:
+        print(f"\n==== {op}", flush=True)
+        t0 = time.perf_counter()
+
+        def on_row(report, op=op):  # every row saved as it comes: a time limit keeps them
+            res["ops"][op] = report.result()
+            save()
+
+        args.on_row = on_row
+        try:
+            res["ops"][op] = BENCHES[op].run(args)
+        except Exception as e:  # recorded with the rows it had; the next op still runs
+            traceback.print_exc()
+            res["ops"][op] = dict(res["ops"].get(op, {}), error=f"{type(e).__name__}: {e}")
+        res["seconds"][op] = round(time.perf_counter() - t0, 1)
+        free(dev)
+        save()
+    print(f"\nbench_kernels: {', '.join(f'{k} {v} s' for k, v in res['seconds'].items())}"
+          + (f"; wrote {path}" if path else ""))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+#!/usr/bin/env bash
+# Everything a lent GPU is for, in ONE call of at most 9 minutes on a fresh machine: pre-flight,
+# in-place build for this device's architecture, GPU tests, every kernel benchmark at its goal
+# shapes, a trimmed end-to-end run, compute-sanitizer. One archive comes back.
+#
+#   OUT=/some/dir bash bench/gpu_lease.sh [--dry-run] [--skip STEP,...] [--budget SECONDS]
+#
+#   --dry-run  CPU mode (also chosen when torch sees no GPU): the pre-flight reports what is
+#              missing without stopping, the build is CPU-only (DSPARK_CUDA=0), the GPU tests
+#              are only collected, the kernel driver runs --device cpu --quick, the end-to-end
+#              run uses the shipped pair for 4 tokens, no sanitizer; the archive is written.
+#   --skip     steps to leave out: build tests_ops tests_graphs kernels e2e sanitizer (the
+#              pre-flight always runs: it picks the mode and the architecture)
+#   --budget   seconds of command time for the whole script (default 540)
+#
+# Writes $OUT/gpu_lease.tar.gz (gpu_lease/: steps.tsv, preflight.{log,json}, build.log,
+# ptxas.txt, tests_*.{log,xml}, kernels.{log,json}, e2e.{log,json,png}, sanitizer*.log,
+# summary.{json,txt}), rewritten after every step so a cut-off run still returns what it did,
+# plus $OUT/summary.json and $OUT/summary.txt; prints the summary (one screen) at the end.
+# Test seed: DSPARK_TEST_SEED (default 1701), printed and recorded.
+#
+# Time budget (command time; the lease gives 15 min of device time per session, machine start of
+# 1-2 min included, 10 min per command, 8 files back). Expected seconds are estimates for a
+# fresh H200 machine (no GPU has run these yet: replace them with the first measured run);
+# caps are each step's timeout. Caps before the sanitizer sum to 500 s + 15 s reserved for the
+# summary, so every step gets its full cap within 540 s; the sanitizer gets what is left.
+#
+#   step          expected  cap   why
+#   preflight        10      30   python + torch import, NVML, nvcc --version
+#   build            45     100   cmake configure + 5 .cu (markov_sample.cu alone: 18 s of one
+#                                 loaded core for sm_90a here) in parallel on 16 cores, one arch
+#   tests_ops        60     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
+#                                 ~250 cases, a few at 32k context / 32k vocabulary
+#   tests_graphs     30      50   pytest -m gpu test_graphs.py test_greedy_equality.py
+#   kernels          90     130   bench/bench_kernels.py: 4 ops, 24 goal shapes, one process;
+#                                 each reference timing stops after 3 runs past 3 s; the
+#                                 FlexAttention compile (one shape) comes last; JSON per row
+#   e2e              70      80   bench_e2e.py qwen3-8b, accept 0.8, batch 1 32, 16 tokens,
+#                                 ar / dspark fixed / dspark async (JSON kept per row)
+#   sanitizer       100    rest   probe (nvcc + a 1-kernel program), memcheck, racecheck
+#                                 (each <= 110 s inside the test; skipped when refused)
+#   summary           5      15   reserved
+#   total          ~410     540   + machine start 60-120 s + transfers: ~11.5 of 15 lease minutes,
+#                                 60 s under the 10-minute command limit (call with timeout_s 600)
+set -uo pipefail
+
+BUDGET=540
+RESERVE=15
+DRY=0
+SKIP=","
+while (($#)); do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --skip) SKIP=",$2,"; shift ;;
+    --skip=*) SKIP=",${1#--skip=},"; ;;
+    --budget) BUDGET=$2; shift ;;
+    --budget=*) BUDGET=${1#--budget=} ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu_lease.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
+  esac
+  shift
+done
+[[ $BUDGET =~ ^[0-9]+$ ]] || { echo "gpu_lease.sh: --budget must be whole seconds" >&2; exit 64; }
+
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d)/gpu_lease
+mkdir -p "$WORK"
+STEPS=$WORK/steps.tsv   # step <TAB> status <TAB> seconds <TAB> limit
+: >"$STEPS"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export DSPARK_TEST_SEED=${DSPARK_TEST_SEED:-1701}
+T0=$SECONDS
+
+archive() {
+  tar czf "$OUT/gpu_lease.tar.gz.part" -C "$(dirname "$WORK")" gpu_lease 2>/dev/null &&
+    mv -f "$OUT/gpu_lease.tar.gz.part" "$OUT/gpu_lease.tar.gz"
+}
+
+record() {  # NAME STATUS SECONDS LIMIT
+  printf '%s\t%s\t%s\t%s\n' "$1" "${2//$'\t'/ }" "$3" "$4" >>"$STEPS"
+  printf '== %-13s %-28s %4ss (limit %ss, %ss of %ss used)\n' "$1" "$2" "$3" "$4" "$((SECONDS - T0))" "$BUDGET"
+}
+
+# run_step NAME CAP CMD...: CMD under a timeout of min(CAP, budget left - RESERVE), output to
+# $WORK/NAME.log; records ok / failed(rc) / timeout / skipped. Never stops the script.
+run_step() {
+  local name=$1 cap=$2
+  shift 2
+  if [[ $SKIP == *",$name,"* ]]; then record "$name" "skipped (--skip)" 0 0; return 0; fi
+  local left=$((BUDGET - (SECONDS - T0) - RESERVE))
+  local limit=$((cap < left ? cap : left))
+  if ((limit < 10)); then record "$name" "skipped (budget spent)" 0 0; return 0; fi
+  echo "== $name (timeout ${limit}s): $*" >>"$WORK/$name.log"
+  local t0=$SECONDS rc=0
+  timeout --kill-after=5 "$limit" "$@" >>"$WORK/$name.log" 2>&1 || rc=$?
+  local status=ok
+  if ((rc == 124 || rc == 137)); then status=timeout; elif ((rc != 0)); then status="failed($rc)"; fi
+  record "$name" "$status" "$((SECONDS - t0))" "$limit"
+  archive
+  return 0
+}
+
+skip_step() { record "$1" "skipped ($2)" 0 0; }
+
+# ---- pre-flight: what the later steps need, named when missing ------------------------------
+# nvcc and compute-sanitizer are often installed but off PATH: look where CUDA puts them.
+for d in /usr/local/cuda/bin /usr/local/cuda-*/bin /usr/local/cuda/compute-sanitizer /opt/nvidia/compute-sanitizer; do
+  [[ -d $d ]] || continue
+  for tool in nvcc compute-sanitizer; do
+    if ! command -v $tool >/dev/null 2>&1 && [[ -x $d/$tool ]]; then
+      export PATH=$PATH:$d
+      echo "pre-flight: $tool was not on PATH, added $d" >>"$WORK/preflight.log"
+    fi
+  done
+done
+cat >"$WORK/preflight.py" <<'PY'
+import json, os, shlex, shutil, subprocess, sys, sysconfig
+work, dry = sys.argv[1], sys.argv[2] == "1"
+rep, missing, notes = {}, [], []
+nvcc = shutil.which("nvcc")
+rep["nvcc"] = nvcc
+if nvcc:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    rep["nvcc_version"] = next((l.strip() for l in out.splitlines() if "release" in l), out.strip()[-80:])
+inc = sysconfig.get_paths()["include"]
+rep["python"] = sys.version.split()[0]
+rep["python_h"] = os.path.exists(os.path.join(inc, "Python.h")) and os.path.join(inc, "Python.h")
+for mod in ("pybind11", "cmake", "ninja", "pytest"):
+    try:
+        __import__(mod)
+        rep[mod] = True
+    except ImportError:
+        rep[mod] = False
+        (missing if mod in ("pybind11", "pytest") else notes).append(f"python module {mod}")
+if not shutil.which("cmake") and not rep["cmake"]:
+    missing.append("cmake")
+try:
+    import torch
+    rep["torch"], rep["torch_cuda"] = torch.__version__, torch.version.cuda
+    rep["cuda_available"] = torch.cuda.is_available()
+    if rep["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        major, minor = torch.cuda.get_device_capability(0)
+        rep.update(gpu=p.name, capability=f"{major}.{minor}",
+                   l2_mib=round(getattr(p, "L2_cache_size", 0) / 2**20, 1),
+                   memory_gib=round(p.total_memory / 2**30, 1),
+                   # 'a' (arch-specific: wgmma, setmaxnreg...) from Hopper on, as CMakeLists' 90a
+                   arch=f"{major}{minor}{'a' if major >= 9 else ''}")
+        if not rep["l2_mib"]:
+            notes.append("L2 size unknown (flush buffer falls back to 256 MiB)")
+except Exception as e:
+    rep["torch"] = f"import failed: {e}"
+    rep["cuda_available"] = False
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    rep["nvml"] = {"driver": pynvml.nvmlSystemGetDriverVersion(),
+                   "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                   "power_limit_w": pynvml.nvmlDeviceGetPowerManagementLimit(h) / 1000}
+    pynvml.nvmlShutdown()
+except Exception as e:
+    rep["nvml"] = f"unreadable ({type(e).__name__}: {e})"
+    notes.append("NVML (clocks / power in the bench headers)")
+rep["compute_sanitizer"] = shutil.which("compute-sanitizer")
+if not rep["compute_sanitizer"]:
+    notes.append("compute-sanitizer (sanitizer step skipped)")
+if not nvcc:
+    missing.append("nvcc (not on PATH nor in /usr/local/cuda*/bin)")
+if not rep["python_h"]:
+    missing.append(f"Python.h (not in {inc}: the python3-dev headers)")
+if not rep["cuda_available"]:
+    missing.append("a CUDA device visible to torch (torch.cuda.is_available() is False)")
+rep["missing"], rep["optional_missing"] = missing, notes
+json.dump(rep, open(os.path.join(work, "preflight.json"), "w"), indent=1, default=str)
+for k, v in rep.items():
+    print(f"{k}: {v}")
+with open(os.path.join(work, "preflight.env"), "w") as f:
+    f.write(f"ARCH={rep.get('arch', '')}\nHAVE_GPU={int(bool(rep['cuda_available']))}\n"
+            f"MISSING={shlex.quote('; '.join(missing))}\n")
+if missing:
+    print(("PRE-FLIGHT (cpu mode, not stopping): missing " if dry else "PRE-FLIGHT FAILED: missing ")
+          + "; ".join(missing))
+sys.exit(0 if dry or not missing else 2)
+PY
+PREFLIGHT_CAP=30
+t0=$SECONDS rc=0
+timeout "$PREFLIGHT_CAP" "$PY" "$WORK/preflight.py" "$WORK" "$DRY" >>"$WORK/preflight.log" 2>&1 || rc=$?
+case $rc in 0) st=ok ;; 2) st="failed (missing)" ;; 124|137) st=timeout ;; *) st="failed($rc)" ;; esac
+record preflight "$st" "$((SECONDS - t0))" "$PREFLIGHT_CAP"
+ARCH="" HAVE_GPU=0 MISSING=""
+# shellcheck disable=SC1091
+[[ -f $WORK/preflight.env ]] && source "$WORK/preflight.env"
+((HAVE_GPU)) || DRY=1
+if ((DRY)); then MODE=cpu; else MODE=gpu; fi
+echo "gpu_lease: mode $MODE, arch ${ARCH:-none}, DSPARK_TEST_SEED=$DSPARK_TEST_SEED, budget ${BUDGET}s, work $WORK" |
+  tee -a "$WORK/preflight.log"
+STOP=0
+if [[ $MODE == gpu && -n $MISSING ]]; then
+  echo "PRE-FLIGHT FAILED, stopping before the build: missing $MISSING" | tee -a "$WORK/preflight.log"
+  STOP=1
+fi
+archive
+
+if ((STOP)); then
+  for s in build tests_ops tests_graphs kernels e2e sanitizer; do skip_step $s "pre-flight failed"; done
+else
+  # ---- build in place, this device's architecture only (tests import the fresh .so) -------
+  if [[ $MODE == gpu ]]; then
+    run_step build 100 bash -c "DSPARK_CUDA=1 DSPARK_CUDA_ARCHS='${DSPARK_CUDA_ARCHS:-$ARCH}' DSPARK_PTXAS_VERBOSE=1 \
+      '$PY' setup.py build_ext --inplace && '$PY' -c 'import sys, dspark_rt._C as m; i = m.build_info(); print(i); sys.exit(0 if i[\"cuda\"] else 1)'"
+  else
+    run_step build 100 bash -c "DSPARK_CUDA=0 '$PY' setup.py -q build_ext --inplace && '$PY' -c 'import dspark_rt._C as m; print(m.build_info())'"
+  fi
+  grep -E "ptxas info|bytes stack frame|spill" "$WORK/build.log" >"$WORK/ptxas.txt" 2>/dev/null || true
+
+  # ---- tests (GPU: run; CPU: collected only, so a wrong path or marker shows here) --------
+  PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -v -rfE)
+  ((DRY)) && PYTEST+=(--collect-only -q)
+  run_step tests_ops 110 "${PYTEST[@]}" tests/test_ops_cuda.py -k "not sanitizer" --junitxml="$WORK/tests_ops.xml"
+  run_step tests_graphs 50 "${PYTEST[@]}" tests/test_graphs.py tests/test_greedy_equality.py \
+    --junitxml="$WORK/tests_graphs.xml"
+
+  # ---- every kernel benchmark, goal shapes, one process, one JSON ---------------------------
+  if [[ $MODE == gpu ]]; then
+    run_step kernels 130 "$PY" bench/bench_kernels.py --device cuda --flex one --json "$WORK/kernels.json"
+  else
+    run_step kernels 130 "$PY" bench/bench_kernels.py --device cpu --quick --json "$WORK/kernels.json"
+  fi
+
+  # ---- trimmed end to end ------------------------------------------------------------------
+  if [[ $MODE == gpu ]]; then
+    run_step e2e 80 "$PY" bench/bench_e2e.py --device cuda --model qwen3-8b --accept-prob 0.8 \
+      --batch 1 32 --max-tokens 16 --prompt-len 512 --profile-seconds 2 \
+      --modes ar/fixed dspark/fixed dspark/async --json "$WORK/e2e.json" --plot "$WORK/e2e.png"
+  else  # the tiny random pair's config is rejected by the checkpoint checks: the shipped pair
+    run_step e2e 80 "$PY" bench/bench_e2e.py --device cpu --batch 1 --max-tokens 4 \
+      --modes ar/fixed dspark/fixed --json "$WORK/e2e.json" --plot "$WORK/e2e.png"
+  fi
+
+  # ---- compute-sanitizer, last, in the time left ---------------------------------------------
+  if [[ $SKIP == *",sanitizer,"* ]]; then skip_step sanitizer "--skip"
+  elif [[ $MODE == cpu ]]; then skip_step sanitizer "no GPU"
+  elif ! command -v compute-sanitizer >/dev/null 2>&1; then skip_step sanitizer "compute-sanitizer not found"
+  else
+    probe=$WORK/sanitizer_probe
+    cat >"$probe.cu" <<'CU'
+#include <cstdio>
+__global__ void Touch(int* p) { p[threadIdx.x] = threadIdx.x; }
+int main() {
+  int* p = nullptr;
+  if (cudaMalloc(&p, 32 * sizeof(int)) != cudaSuccess) return 2;
+  Touch<<<1, 32>>>(p);
+  cudaError_t e = cudaDeviceSynchronize();
+  std::printf("probe: %s\n", cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 3;
+}
+CU
+    run_step sanitizer_probe 40 bash -c "nvcc -arch=sm_${ARCH} -o '$probe' '$probe.cu' && compute-sanitizer --error-exitcode=5 '$probe'"
+    if tail -1 "$STEPS" | grep -q $'\tok\t'; then
+      run_step sanitizer_memcheck 120 "${PYTEST[@]}" tests/test_ops_cuda.py -k "sanitizer and memcheck" \
+        --junitxml="$WORK/sanitizer_memcheck.xml"
+      run_step sanitizer_racecheck 120 "${PYTEST[@]}" tests/test_ops_cuda.py -k "sanitizer and racecheck" \
+        --junitxml="$WORK/sanitizer_racecheck.xml"
+    else
+      skip_step sanitizer "the device refuses compute-sanitizer: $(grep -m1 -iE 'not supported|error' "$WORK/sanitizer_probe.log" | cut -c1-80)"
+    fi
+  fi
+fi
+
+# ---- summary (one screen) and the archive ------------------------------------------------------
+"$PY" - "$WORK" "$MODE" "$BUDGET" "$((SECONDS - T0))" "$ROOT" <<'PY' 2>&1 | tee "$WORK/summary.txt"
+import glob, importlib.util, json, os, re, sys, xml.etree.ElementTree as ET
+work, mode, budget, used, root = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+load = lambda name: json.load(open(os.path.join(work, name))) if os.path.exists(os.path.join(work, name)) else None
+pre = load("preflight.json") or {}
+s = {"mode": mode, "budget_s": budget, "used_s": used, "seed": os.environ.get("DSPARK_TEST_SEED"),
+     "gpu": pre.get("gpu"), "arch": pre.get("arch"), "missing": pre.get("missing"), "steps": [],
+     "tests": {}, "kernels": [], "e2e": []}
+for line in open(os.path.join(work, "steps.tsv")):
+    name, *status, secs, limit = line.rstrip("\n").split("\t")
+    status = " ".join(status)
+    s["steps"].append({"step": name, "status": status, "seconds": int(secs), "limit": int(limit)})
+for name in ("tests_ops", "tests_graphs", "sanitizer_memcheck", "sanitizer_racecheck"):
+    xml, log = os.path.join(work, name + ".xml"), os.path.join(work, name + ".log")
+    c = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    if os.path.exists(xml) and mode == "gpu":
+        for t in ET.parse(xml).getroot().iter("testcase"):
+            tid = f"{t.get('classname')}::{t.get('name')}"
+            if t.find("failure") is not None or t.find("error") is not None:
+                c["failed"] += 1
+                c["failures"].append(tid)
+            elif t.find("skipped") is not None:
+                c["skipped"] += 1
+            else:
+                c["passed"] += 1
+    elif os.path.exists(log):  # cut off before pytest wrote its XML: count the -v lines
+        text = open(log, errors="replace").read()
+        for k, word in (("passed", "PASSED"), ("failed", "FAILED"), ("skipped", "SKIPPED")):
+            c[k] = len(re.findall(rf"::\S+ {word}", text))
+        c["failures"] = re.findall(r"(\S+::\S+) (?:FAILED|ERROR)", text)[:20]
+        m = re.search(r"(\d+)(?:/\d+)? tests? collected", text)
+        if mode == "cpu" and m:
+            c["collected"] = int(m.group(1))
+    else:
+        continue
+    s["tests"][name] = c
+kern = load("kernels.json") or {}
+for op, res in kern.get("ops", {}).items():
+    if "error" in res:
+        s["kernels"].append({"op": op, "error": res["error"]})
+    for r in res.get("rows", []):
+        s["kernels"].append({"op": op, **{k: r.get(k) for k in ("shape", "us", "gbps", "frac_of_floor",
+                                                            "ratio_vs_base", "ratio_vs_ref", "timed", "flex_us",
+                                                            "ratio_vs_flex")}})
+e2e = load("e2e.json") or {}
+s["e2e"] = [{k: r.get(k) for k in ("mode", "policy", "batch", "tokens_per_s", "tau")} for r in e2e.get("rows", [])]
+if e2e.get("rows") and not os.path.exists(os.path.join(work, "e2e.png")):
+    try:  # the run was cut short before its plot: draw it from the rows it kept
+        spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(root, "bench", "bench_e2e.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.plot(e2e["rows"], os.path.join(work, "e2e.png"), f"{e2e.get('model')} (partial run)")
+    except Exception as e:
+        s["e2e_plot_error"] = repr(e)
+spill = [l.strip() for l in open(os.path.join(work, "ptxas.txt"), errors="replace")
+         if "spill" in l and " 0 bytes spill stores, 0 bytes spill loads" not in l] \
+    if os.path.exists(os.path.join(work, "ptxas.txt")) else []
+s["ptxas_spill_lines"] = spill
+json.dump(s, open(os.path.join(work, "summary.json"), "w"), indent=1, default=str)
+
+print(f"== gpu_lease summary: mode {mode}, {s['gpu'] or 'no GPU'}, arch {s['arch'] or '-'}, "
+      f"DSPARK_TEST_SEED={s['seed']}, {used} s of {budget} s")
+if s["missing"]:
+    print(f"   missing: {'; '.join(s['missing'])}")
+for st in s["steps"]:
+    print(f"   {st['step']:<20}{st['status']:<32}{st['seconds']:>4} s  (limit {st['limit']})")
+for name, c in s["tests"].items():
+    extra = f", {c['collected']} collected (cpu: not run)" if "collected" in c else ""
+    print(f"   {name:<20}{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped{extra}"
+          + (f"; failed: {', '.join(c['failures'][:3])}" if c["failures"] else ""))
+if spill:
+    print(f"   ptxas spills: {len(spill)} kernels, e.g. {spill[0][:70]}")
+f = lambda x, spec: format(x, spec) if isinstance(x, (int, float)) else "-"
+print(f"   {'kernel':<17}{'shape':<44}{'us':>9}{'GB/s':>8}{'floor':>7}{'x_base':>8}")
+for k in s["kernels"]:
+    if "error" in k:
+        print(f"   {k['op']:<17}ERROR {k['error'][:60]}")
+        continue
+    print(f"   {k['op']:<17}{k['shape'][:43]:<44}{f(k['us'], '9.1f')}{f(k['gbps'], '8.1f')}"
+          f"{f(k['frac_of_floor'], '7.3f')}{f(k['ratio_vs_base'], '8.2f')}")
+    if k.get("flex_us"):
+        print(f"   {'':<17}FlexAttention over the paged cache {k['flex_us']:.1f} us: "
+              f"kernel {f(k['ratio_vs_flex'], '.2f')}x")
+for r in s["e2e"]:
+    print(f"   e2e {r['mode'] + '/' + r['policy']:<16} batch {r['batch']:>3}: {f(r['tokens_per_s'], '.1f')} tok/s, "
+          f"tau {f(r['tau'], '.2f')}")
+PY
+cp -f "$WORK/summary.json" "$WORK/summary.txt" "$OUT/" 2>/dev/null
+archive
+echo "gpu_lease: wrote $OUT/gpu_lease.tar.gz ($(du -h "$OUT/gpu_lease.tar.gz" 2>/dev/null | cut -f1)) in $((SECONDS - T0)) s"
+grep -qvE $'\t(ok|skipped[^\t]*)\t' "$STEPS" && exit 1
+exit 0
