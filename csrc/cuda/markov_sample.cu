@@ -218,7 +218,9 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
       T* row = static_cast<T*>(a.logits) + (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
       float4 x = make_float4(-kInfF, -kInfF, -kInfF, -kInfF);
       if (nvalid == 4 && a.vec) {
-        x = Load4(row + v);
+        // a coherent load: this kernel writes the row back in place below (z = U + bias), and a
+        // read-only (.nc) load of memory the same kernel writes is only safe by accident
+        x = Load4Coherent(row + v);
       } else {
         if (nvalid > 0) x.x = ToFloat(row[v]);
         if (nvalid > 1) x.y = ToFloat(row[v + 1]);
