@@ -119,8 +119,9 @@ THRESHOLD = 0.5
 def make_policy(case: Case, mutant=None):
     if mutant is not None and mutant.policy is not None:
         return mutant.policy()
-    if case.policy == "auto":  # plain rounds win on this profile: it alternates plain and drafting
-        return AutoPolicy(SPS, SPS.scaled(3.0), explore_every=2)
+    if case.policy == "auto":  # plain rounds win on these profiles: it alternates plain rounds
+        # and exploring ones (a share of the batch drafts), lengths from its own round cost
+        return AutoPolicy(SPS, SPS.scaled(3.0), SPS, explore_every=2, explore_share=0.5)
     return {"fixed": "fixed", "threshold": ThresholdPolicy(THRESHOLD), "sync": SyncScheduler(SPS),
             "async": AsyncScheduler(SPS)}[case.policy]
 

@@ -125,3 +125,22 @@ def test_exploring_rounds_draft_for_a_few_requests(plain_tokens):
     assert len(starts) > 1, "the exploring requests must rotate"
     with pytest.raises(ValueError, match="explore_share"):
         AutoPolicy(SPEC, SPEC, explore_share=0.0)
+
+
+def test_lengths_price_drafting_once():
+    """A speculative round's lengths come from Algorithm 1 on auto's own round cost: drafting
+    once for the requests that drafted, each verified token at the plain profile's growth. With
+    verification free on this machine (flat plain profile) it verifies every draft, where sync,
+    whose SPS(B) charges a round per token, verifies none."""
+    from dspark_rt.policies.prefix import SyncScheduler
+    steep = SPSProfile.from_pairs({B: 1.0 / B for B in range(1, 257)})
+    flat = SPSProfile.from_pairs({B: 1.0 for B in range(1, 33)})
+    drafting = SPSProfile.from_pairs({R: 0.5 for R in range(1, 33)})
+    survival = torch.full((8, 7), 0.9).cumprod(1)
+    cap = torch.full((8,), 7)
+    auto = AutoPolicy(steep, flat, drafting)
+    assert auto.lengths(None, survival, cap, 7).tolist() == [7] * 8
+    assert SyncScheduler(steep).lengths(None, survival, cap, 7).tolist() == [0] * 8
+    # costly verification (each token a full round): auto stops early, as Algorithm 1 does
+    auto = AutoPolicy(steep, SPSProfile.from_pairs({B: 1.0 / B for B in range(1, 33)}), drafting)
+    assert auto.lengths(None, survival, cap, 7).sum() < 8

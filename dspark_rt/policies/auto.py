@@ -28,7 +28,7 @@ drafting of a few requests, not of the batch.
 import numpy as np
 import torch
 
-from .prefix import SyncScheduler, _as_profile
+from .prefix import SyncScheduler, _as_profile, candidates, ranked
 
 
 class AutoPolicy(SyncScheduler):
@@ -102,14 +102,22 @@ class AutoPolicy(SyncScheduler):
                      self.estimate[None, :gamma], -np.inf)
         flat = a.ravel()
         sorted_a = -np.sort(-flat[np.isfinite(flat)])
-        if self.drafting is None or R > self.drafting.max_tokens:
-            theta = self._theta(R, sorted_a)
-        else:
-            n = np.arange(min(len(sorted_a), self.max_tokens - R) + 1)
-            tokens = R + np.concatenate([[0.0], np.cumsum(sorted_a[: len(n) - 1])])
-            theta = tokens / (1.0 / float(self.drafting(R)) + self._verify_s(R + n) - self._verify_s(R))
+        theta = self._round_theta(R, R, sorted_a)
         best = int(np.argmax(theta))
         return float(theta[best]) > R * float(self.plain(R)), best == len(sorted_a)
+
+    def _round_theta(self, R: int, drafting: int, sorted_a: np.ndarray) -> np.ndarray:
+        """Expected tokens/s of a speculative round of R requests, `drafting` of which drafted,
+        after admitting the first n of sorted_a, n = 0 .. (cut at max_tokens): (R + a_1 + .. +
+        a_n) / (drafting's own cost + t(R + n)), where drafting's own cost is the no-drafts
+        round of `drafting` requests less a plain round of as many. Without the no-drafts
+        profile: Algorithm 1's tau * SPS(R + n)."""
+        if self.drafting is None or drafting > self.drafting.max_tokens or drafting < 1:
+            return self._theta(R, sorted_a)
+        n = np.arange(min(len(sorted_a), self.max_tokens - R) + 1)
+        tokens = R + np.concatenate([[0.0], np.cumsum(sorted_a[: len(n) - 1], dtype=np.float64)])
+        own = 1.0 / float(self.drafting(drafting)) - float(self._verify_s(drafting))
+        return tokens / (max(own, 0.0) + self._verify_s(R + n))
 
     def _verify_s(self, B):
         """Seconds of a plain round of B tokens, linear beyond the plain profile's last point."""
@@ -129,4 +137,19 @@ class AutoPolicy(SyncScheduler):
             mean = np.nan_to_num(a, nan=0.0).mean(axis=0)
             self.estimate = mean if self.estimate is None else \
                 self.decay * self.estimate[:gamma] + (1 - self.decay) * mean
-        return super().lengths(c_hat, survival, cap, gamma)
+        # Algorithm 1 (greedy admission in rank order, stop at the first candidate that does not
+        # raise Theta: non-anticipating, so lossless) on this policy's round cost, which prices
+        # drafting for the requests that drafted once and each verified token at the plain
+        # profile's growth; SyncScheduler's SPS(B) charges drafting again for every gamma + 1
+        # tokens, and so verifies too little when many requests draft
+        a = candidates(survival, cap, gamma)
+        R = a.shape[0]
+        if R == 0 or R > self.max_tokens:
+            return super().lengths(c_hat, survival, cap, gamma)
+        order = ranked(a)
+        sorted_a = a.T.ravel()[order]
+        sorted_a = sorted_a[np.isfinite(sorted_a)]
+        theta = self._round_theta(R, int(drafted.sum()), sorted_a)
+        drops = np.flatnonzero(theta[1:] <= theta[:-1])
+        n = int(drops[0]) if len(drops) else len(theta) - 1
+        return self._finish(a, np.bincount(order[:n] % R, minlength=R), n).to(cap.device)
