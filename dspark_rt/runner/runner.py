@@ -273,14 +273,19 @@ class Runner:
         per-request device tensors. Rows belong to requests by cu (host) or owner ([N] device,
         -1 for padding rows). Returns (accepted, tokens, failed, extra columns [R, k] or None)."""
         R, g1 = acc.shape[0], out.shape[1]
-        bad_rows = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
-        if owner is None:
-            owner = self.upload(torch.repeat_interleave(torch.arange(R), torch.tensor(cu).diff()),
-                                torch.int64)
+        # one pass over the rows: a row's maximum is NaN if it holds a NaN, +inf if a +inf
+        bad_rows = ~(logits.amax(-1) < float("inf"))
+        if owner is None and len(cu) == logits.shape[0] + 1 and cu[-1] == R:
+            bad = bad_rows.long()  # one row per request (plain decoding)
         else:
-            bad_rows = bad_rows & (owner >= 0)
-            owner = owner.clamp(min=0)
-        bad = torch.zeros(R, dtype=torch.int64, device=logits.device).index_add_(0, owner, bad_rows.long())
+            if owner is None:
+                owner = self.upload(torch.repeat_interleave(torch.arange(R), torch.tensor(cu).diff()),
+                                    torch.int64)
+            else:
+                bad_rows = bad_rows & (owner >= 0)
+                owner = owner.clamp(min=0)
+            bad = torch.zeros(R, dtype=torch.int64, device=logits.device).index_add_(0, owner,
+                                                                                      bad_rows.long())
         cols = [acc.long()[:, None], bad[:, None], out] + [e.reshape(R, -1) for e in extra]
         if extra:  # one float64 copy: ids and lengths are exact in it, survivals are float32
             host = self.to_host(torch.cat([c.double() for c in cols], 1))
