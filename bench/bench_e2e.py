@@ -150,17 +150,31 @@ def run_hf(models, batch, max_tokens):
                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         gen(min(4, max_tokens))
-        _sync(models.device)
-        t0 = time.perf_counter()
-        out = gen(max_tokens)
-        _sync(models.device)
-        secs = time.perf_counter() - t0
+        first = _timed(lambda: gen(1), models.device)[1]  # prefill and the first token
+        out, secs = _timed(lambda: gen(max_tokens), models.device)
     tokens = (out.shape[1] - x.shape[1]) * batch
     gc.collect()
+    rate = _decode_rate(tokens, secs, batch, first)
     return {"mode": "hf", "policy": "generate", "batch": batch, "tokens": tokens, "seconds": secs,
-            "tokens_per_s": tokens / secs, "per_user_tokens_per_s": tokens / secs / batch,
+            "prefill_seconds": first, "tokens_per_s": rate, "per_user_tokens_per_s": rate / batch,
             "tau": 1.0, "mean_verify_length": 0.0, "rounds": out.shape[1] - x.shape[1],
             "host_reads_per_round": float("nan"), "cuda_syncs_per_round": None, "phase_share": {}}
+
+
+def _timed(fn, device):
+    """(fn's result, seconds it took, the device drained before and after)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _decode_rate(tokens: int, secs: float, batch: int, first: float) -> float:
+    """Decoding tokens/s: the tokens after each request's first over the time after the first
+    token (a run of max_tokens = 1 times the prefill and the first token alike, so this is the
+    rate of decoding steps, not diluted by the prompt's forward)."""
+    return (tokens - batch) / max(secs - first, 1e-9) if tokens > batch else tokens / secs
 
 
 def _generate(dec, prompts, max_tokens):
@@ -211,11 +225,10 @@ def run(models, mode, policy, batch, max_tokens):
     # pass; on the CPU timing the phases costs nothing and the timed run records them.
     times = {} if on_gpu else phase_timer.install(dec)
     _sync(models.device)
+    first = _timed(lambda: _generate(dec, prompts, 1), models.device)[1]  # prefill, first token
     reads0, rounds0 = e.round_host_reads, e.num_rounds
-    t0 = time.perf_counter()
-    outs = _generate(dec, prompts, max_tokens)
-    _sync(models.device)
-    secs = split_secs = time.perf_counter() - t0
+    outs, secs = _timed(lambda: _generate(dec, prompts, max_tokens), models.device)
+    split_secs = secs
     if dec.engine is not e:  # the timed run needed a larger pool: a fresh Engine counted it
         e, rounds0, reads0 = dec.engine, 0, 0
     rounds = e.num_rounds - rounds0
@@ -228,13 +241,17 @@ def run(models, mode, policy, batch, max_tokens):
         split_secs = time.perf_counter() - t1
     phase_timer.uninstall(dec)
     phases = dict(times)
-    phases["other"] = max(0.0, split_secs - sum(phases.values()))
+    # other: engine bookkeeping and commit (the prefill and first token, timed apart, left out)
+    phases["other"] = max(0.0, split_secs - (first if not on_gpu else 0.0) - sum(phases.values()))
+    if not on_gpu:
+        split_secs -= first
     syncs = count_cuda_syncs(dec, prompts[: min(batch, 4)], 16)
     tokens = sum(len(o.token_ids) for o in outs)
     m = [o.metrics for o in outs]
     n_rounds = sum(x.num_rounds for x in m)
+    rate = _decode_rate(tokens, secs, batch, first)
     row = {"mode": mode, "policy": policy, "batch": batch, "tokens": tokens, "seconds": secs,
-           "tokens_per_s": tokens / secs, "per_user_tokens_per_s": tokens / secs / batch,
+           "prefill_seconds": first, "tokens_per_s": rate, "per_user_tokens_per_s": rate / batch,
            "tau": (sum(x.num_accepted_tokens for x in m) + n_rounds) / n_rounds if n_rounds else 1.0,
            "mean_verify_length": sum(x.num_draft_tokens for x in m) / n_rounds if n_rounds else 0.0,
            "rounds": rounds, "host_reads_per_round": reads, "cuda_syncs_per_round": syncs,

@@ -184,3 +184,20 @@ def test_cli_errors_name_the_argument(tiny_target, drafter, prompts_file, tmp_pa
     with pytest.raises(SystemExit):
         main(["calibrate", "--target", str(tmp_path), "--drafter", str(drafter)])
     assert "argument --target" in capsys.readouterr().err
+
+
+def test_cpu_profile_key_names_the_cpu_and_threads(tiny_target, drafter):
+    """A CPU profile is valid for this CPU model at this torch thread count only."""
+    import torch
+    dec = Decoder.from_pretrained(tiny_target, drafter)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = profiling.runner_key(dec.runner)
+        torch.set_num_threads(2)
+        two = profiling.runner_key(dec.runner)
+    finally:
+        torch.set_num_threads(before)
+    assert one["model"] != two["model"] and "threads1" in one["model"]
+    assert profiling.cache_path(one) != profiling.cache_path(two)
+    assert profiling._cpu_model() in one["model"]

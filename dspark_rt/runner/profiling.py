@@ -79,9 +79,17 @@ def model_identity(runner: Runner, context_len: int, shape: str = "spread") -> s
         parts.append(_config_id(runner.drafter.config))
     mode = "ar" if runner.mode == "ar" else "dspark" if shape == "spread" else "dspark-no-drafts"
     s = "+".join(parts) + f"/{mode}/ctx{context_len}"
-    if runner.device.type != "cuda":
-        s += f"/cpu:{platform.machine()}x{os.cpu_count()}"
+    if runner.device.type != "cuda":  # the CPU model, its cores and the torch threads used
+        s += f"/cpu:{_cpu_model()}:{platform.machine()}x{os.cpu_count()}/threads{torch.get_num_threads()}"
     return s
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
 
 
 def _gpu(device: torch.device) -> dict:
@@ -208,7 +216,8 @@ def profile_runners(items, B_values=None, seconds: float | None = None,
                                  f"(max_batch * (gamma + 1)), got {bad or Bs}")
             steps[i] = (work.step, Bs, key)
         sync = works[0].sync if works else None
-        out = measure_profiles(steps, sec, progress, sync=sync)
+        # one untimed pass: the pool was prefilled when the workloads were built
+        out = measure_profiles(steps, sec, progress, sync=sync, warmup=1)
         return [out[i] for i in range(len(items))]
     finally:
         for work in works:
