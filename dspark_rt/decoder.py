@@ -19,7 +19,7 @@ from .engine.engine import Engine
 from .models.drafter import Drafter
 from .models.qwen3 import Qwen3Model, pick_dtype
 from .outputs import RequestOutput
-from .policies import POLICIES, Calibration, make_policy
+from .policies import POLICIES, Calibration, OnlineCalibration, make_policy
 from .policies.sts import CALIBRATION_FILE
 from .runner.runner import MODES, Runner
 from .sampling_params import SamplingParams
@@ -57,6 +57,10 @@ def _calibration(calibration, gamma: int) -> Calibration | None:
     if len(t) < gamma:
         raise ValueError(f"calibration has {len(t)} temperatures, the drafter drafts {gamma} "
                          "positions (one temperature each)")
+    b = calibration.biases
+    if b is not None and (len(b) < gamma or not all(
+            isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) for x in b)):
+        raise ValueError(f"calibration biases must be {gamma} finite numbers, got {list(b)}")
     return calibration
 
 
@@ -77,12 +81,16 @@ class Decoder:
     whether to draft at all) reads sps=(speculative profile, plain-round profile) likewise. calibration: STS temperatures
     (a Calibration, a list, or the path of a JSON written by dspark_rt.policies.sts or SGLang);
     from_pretrained uses the drafter folder's dspark_calibration.json when none is given.
-    calibration_source says which temperatures are in force (a path, "given" or None).
+    calibration_source says which temperatures are in force (a path, "given" or None; with
+    " + online" appended under online_calibration). online_calibration: refit the calibration
+    from the rounds served (policies.OnlineCalibration, starting from the one above; dspark
+    mode with a confidence head).
     """
 
     def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
                  mode=None, policy="fixed", threshold=0.5, sps=None, calibration=None,
-                 page_size=16, seed=0, device="cpu", tensor_parallel=None):
+                 page_size=16, seed=0, device="cpu", tensor_parallel=None,
+                 online_calibration=False):
         self.device = _device(device)
         seed = _seed(seed)
         if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or \
@@ -114,6 +122,11 @@ class Decoder:
         self.calibration = _calibration(calibration, self.runner.gamma)
         self.calibration_source = (str(calibration) if isinstance(calibration, (str, Path)) else
                                    None if calibration is None else "given")
+        if not isinstance(online_calibration, bool):
+            raise ValueError(f"online_calibration must be a bool, got {online_calibration!r}")
+        if online_calibration and mode == "dspark" and self.runner.has_confidence:
+            self.calibration = OnlineCalibration(self.calibration, self.runner.gamma)
+            self.calibration_source = f"{self.calibration_source or 'uncalibrated'} + online"
         self.seed = seed
         self._ids = itertools.count()  # request ids and random streams, across this Decoder's Engines
         self._lock = threading.Lock()  # sizing the Engine and queueing a batch happen together
@@ -185,7 +198,8 @@ class Decoder:
             kwargs["calibration"] = list(drf.sts_temperatures)
         dec = cls(tgt, drf, tok, device=device, **kwargs)
         if shipped:
-            dec.calibration_source = f"{Path(drafter) / 'config.json'} (sts_temperatures)"
+            dec.calibration_source = dec.calibration_source.replace(
+                "given", f"{Path(drafter) / 'config.json'} (sts_temperatures)")
         return dec
 
     def shutdown(self):

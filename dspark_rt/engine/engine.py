@@ -218,6 +218,8 @@ class Engine:
         res = self.runner.run_round(self.round, self._batch(reqs), self.policy, self.calibration)
         self.num_rounds += 1
         self.round_host_reads += self.runner.host_reads - reads
+        # every verified draft is a label for the next rounds' calibration (OnlineCalibration)
+        self.calibration.observe(res.conf_logit, res.lengths, res.num_accepted)
         if self.round_log is not None:
             self.round_log.append(self._log_entry(reqs, res))
         self._commit(reqs, res.out_tokens, res.failed, res.logits, res.cu_rows[:-1], res.lengths)

@@ -1,9 +1,12 @@
 """Verify-length policies (DESIGN §4): fixed, threshold, and the hardware-aware prefix
 schedulers sync and async, which read the machine's throughput profile SPS(B) (sps.py), and
 auto, which also decides per round whether drafting pays at all (auto.py);
-STS calibration of the confidences (sts.py)."""
+STS calibration of the confidences (sts.py), survival tables and Platt scaling fitted offline or
+online from served rounds (online.py)."""
 from .auto import AutoPolicy
 from .base import Calibration, VerifyPolicy
+from .online import OnlineCalibration
+from .table import TableCalibration
 from .prefix import AsyncScheduler, SyncScheduler
 from .rules import FixedPolicy, ThresholdPolicy
 
@@ -22,5 +25,5 @@ def make_policy(policy, **kwargs) -> VerifyPolicy:
     return POLICIES[policy](**kwargs)
 
 
-__all__ = ["Calibration", "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "SyncScheduler",
+__all__ = ["Calibration", "OnlineCalibration", "TableCalibration", "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "SyncScheduler",
            "AsyncScheduler", "AutoPolicy", "POLICIES", "make_policy"]

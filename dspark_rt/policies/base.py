@@ -13,8 +13,11 @@ import torch
 
 @dataclass
 class Calibration:
-    """Sequential Temperature Scaling: c_hat_k = sigmoid(logit_k / t_k) (DESIGN §4)."""
+    """Per-position Platt scaling of the confidences (DESIGN §4):
+    c_hat_k = sigmoid((logit_k + b_k) / t_k). With biases None (all 0) it is Sequential
+    Temperature Scaling, what STS files and SGLang's hold."""
     temperatures: list[float]
+    biases: list[float] | None = None
 
     @classmethod
     def identity(cls, gamma: int) -> "Calibration":
@@ -27,8 +30,16 @@ class Calibration:
             raise ValueError(f"calibration has {len(self.temperatures)} temperatures, need {gamma}")
         t = torch.tensor(self.temperatures[:gamma], dtype=torch.float64).to(conf_logit.device,
                                                                              non_blocking=True)
-        c_hat = torch.sigmoid(conf_logit.to(torch.float64) / t)
+        z = conf_logit.to(torch.float64)
+        if self.biases is not None:
+            z = z + torch.tensor(self.biases[:gamma], dtype=torch.float64).to(conf_logit.device,
+                                                                               non_blocking=True)
+        c_hat = torch.sigmoid(z / t)
         return c_hat.float(), torch.cumprod(c_hat, dim=1).float()
+
+    def observe(self, conf_logit, lengths: list[int], num_accepted: list[int]) -> None:
+        """A served round's raw confidences [R, gamma] (or None), drafts verified and accepted
+        per request. Fixed parameters ignore it; OnlineCalibration (online.py) learns from it."""
 
 
 class VerifyPolicy:

@@ -83,10 +83,12 @@ def _prepare(conf_logits, accepted, verified):
     return z, labels, observed
 
 
-def survivals(conf_logits, temperatures) -> np.ndarray:
-    """a [n, gamma] = cumprod(sigmoid(logit_k / t_k)), float64."""
+def survivals(conf_logits, temperatures, biases=None) -> np.ndarray:
+    """a [n, gamma] = cumprod(sigmoid((logit_k + b_k) / t_k)), float64 (b = 0 without biases)."""
     z = np.asarray(conf_logits, np.float64)
     t = np.asarray(temperatures, np.float64)[: z.shape[1]]
+    if biases is not None:
+        z = z + np.asarray(biases, np.float64)[: z.shape[1]]
     return np.cumprod(_sigmoid(z / t), axis=1)
 
 
@@ -101,17 +103,52 @@ def _report(a, labels, observed, n_bins):
     return out
 
 
+def compare(conf_logits, accepted, verified, temperatures, biases=None, n_bins: int = 15, *,
+            survival=None):
+    """Per position: n, positive_rate and ECE / AUC / Brier of the survival before (raw, t = 1)
+    and after calibration (these temperatures and biases, or the given survival [n, gamma]),
+    over the rounds that verified the position."""
+    z, labels, observed = _prepare(conf_logits, accepted, verified)
+    before = _report(survivals(z, [1.0] * z.shape[1]), labels, observed, n_bins)
+    after = _report(survivals(z, temperatures, biases) if survival is None else survival,
+                    labels, observed, n_bins)
+    return [{"position": k + 1, "n": b["n"], "positive_rate": b["positive_rate"],
+             **{f"{m}_before": b[m] for m in ("ece", "auc", "brier")},
+             **{f"{m}_after": a[m] for m in ("ece", "auc", "brier")}}
+            for k, (b, a) in enumerate(zip(before, after))]
+
+
 @dataclass
 class STSResult:
+    """temperatures; biases (Platt, online.fit_platt; None: all 0, plain STS); table (a survival
+    table, online.fit_table: [gamma][bins] over metadata "logit_range"); report: per position
+    before/after ECE, AUC, Brier on the fit rounds; metadata (with "holdout": the same report on
+    held-out rounds, when calibrate had some)."""
     temperatures: list[float]
-    report: list[dict] = field(default_factory=list)  # per position: before/after ECE, AUC, Brier
+    report: list[dict] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    biases: list[float] | None = None
+    table: list | None = None
 
     def calibration(self) -> Calibration:
-        return Calibration(list(self.temperatures))
+        biases = None if self.biases is None else list(self.biases)
+        if self.table is None:
+            return Calibration(list(self.temperatures), biases)
+        from .table import TableCalibration
+        return TableCalibration(list(self.temperatures), biases, self.table, *self.logit_range)
+
+    @property
+    def logit_range(self) -> tuple[float, float]:
+        from .table import HI, LO
+        lo, hi = self.metadata.get("logit_range", (LO, HI))
+        return float(lo), float(hi)
 
     def save_sglang(self, path, dataset: str = "") -> Path:
-        """Write SGLang's STS calibration JSON (write_sglang_sts) with our per-position ECE."""
+        """Write SGLang's STS calibration JSON (write_sglang_sts) with our per-position ECE.
+        SGLang's file holds temperatures only: a fit with non-zero biases is refused."""
+        if self.table is not None or (self.biases is not None and any(self.biases)):
+            raise ValueError("SGLang's STS JSON holds temperatures only; this calibration has "
+                             "biases (Platt): save it with save() instead")
         return write_sglang_sts(path, self.temperatures, dataset=dataset,
                                 num_samples=int(self.metadata.get("n_rounds", 0)),
                                 ece_before=[r["ece_before"] for r in self.report],
@@ -120,6 +157,8 @@ class STSResult:
     def save(self, path) -> Path:
         path = Path(path)
         d = {"format": FORMAT, "version": 1, "temperatures": self.temperatures,
+             **({} if self.biases is None else {"biases": self.biases}),
+             **({} if self.table is None else {"survival_table": self.table}),
              "report": self.report, "metadata": self.metadata}
         # NaN (e.g. AUC with one class) is written as null to stay strict JSON
         path.write_text(json.dumps(_nan_to_none(d), indent=1) + "\n")
@@ -131,7 +170,20 @@ class STSResult:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} file; read_temperatures also reads SGLang's")
         temps = [float(t) for t in d["temperatures"]]
-        return cls(temps, d.get("report", []), d.get("metadata", {}))
+        biases = d.get("biases")  # absent in STS files (version 1 before Platt): all 0
+        if biases is not None:
+            if not isinstance(biases, list) or len(biases) != len(temps) or not all(
+                    isinstance(b, (int, float)) and math.isfinite(b) for b in biases):
+                raise ValueError(f"{path}: 'biases' must be a list of {len(temps)} finite numbers")
+            biases = [float(b) for b in biases]
+        table = d.get("survival_table")  # [gamma][bins], non-decreasing rows in [0, 1]
+        if table is not None:
+            arr = np.asarray(table, np.float64) if isinstance(table, list) else np.zeros(0)
+            if arr.ndim != 2 or len(arr) != len(temps) or not np.isfinite(arr).all() or \
+                    (arr < 0).any() or (arr > 1).any() or (np.diff(arr, axis=1) < 0).any():
+                raise ValueError(f"{path}: 'survival_table' must be {len(temps)} non-decreasing "
+                                 "rows of numbers in [0, 1]")
+        return cls(temps, d.get("report", []), d.get("metadata", {}), biases, table)
 
 
 def _nan_to_none(x):
@@ -170,19 +222,15 @@ def fit_sts(conf_logits, accepted, verified, *, grid=None, n_bins: int = 15,
             t = 1.0
         temps.append(t)
         prefix = prefix * _sigmoid(z[:, k] / t)
-    before = _report(survivals(z, [1.0] * gamma), labels, observed, n_bins)
-    after = _report(survivals(z, temps), labels, observed, n_bins)
-    report = [{"position": k + 1, "n": b["n"], "positive_rate": b["positive_rate"],
-               **{f"{m}_before": b[m] for m in ("ece", "auc", "brier")},
-               **{f"{m}_after": a[m] for m in ("ece", "auc", "brier")}}
-              for k, (b, a) in enumerate(zip(before, after))]
+    report = compare(z, accepted, verified, temps, n_bins=n_bins)
     meta = {"n_rounds": n, "gamma": gamma, "n_bins": n_bins,
             "grid": [float(grid[0]), float(grid[-1]), len(grid)], **(metadata or {})}
     return STSResult(temps, report, meta)
 
 
 def read_temperatures(path) -> Calibration:
-    """Per-position temperatures from our STS JSON (STSResult.save) or SGLang's (read_sglang_sts).
+    """Per-position temperatures (and Platt biases) from our JSON (STSResult.save) or SGLang's
+    (read_sglang_sts, temperatures only).
     Any other file is refused with an error naming the supported formats."""
     d = _read_json(path)
     if isinstance(d, dict) and d.get("format") == FORMAT:
@@ -261,16 +309,18 @@ def _read_json(path):
 
 
 def reliability_diagram(conf_logits, accepted, verified, temperatures, path, *,
-                        n_bins: int = 15) -> Path:
+                        n_bins: int = 15, biases=None, survival=None) -> Path:
     """One PNG with a panel per position: mean a_k against the accept rate per bin, before
     (t = 1) and after calibration, with the diagonal. Uses the Agg canvas directly, so no global
-    matplotlib backend is switched."""
+    matplotlib backend is switched. survival [n, gamma]: the calibrated survivals, when not
+    given by temperatures and biases (a survival table)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     z, labels, observed = _prepare(conf_logits, accepted, verified)
     gamma = z.shape[1]
-    curves = {"before": survivals(z, [1.0] * gamma), "after (STS)": survivals(z, temperatures)}
+    curves = {"before": survivals(z, [1.0] * gamma),
+              "after": survivals(z, temperatures, biases) if survival is None else survival}
     cols = min(gamma, 4)
     rows = -(-gamma // cols)
     fig = Figure(figsize=(3.2 * cols, 3.0 * rows))

@@ -8,7 +8,11 @@ Printed and written to <out_dir>/summary.json:
 * ECE / AUC / Brier of the confidences a policy sees (calibrated survival a_k) against the
   realised label "drafts 1..k accepted", per position over the rounds that verified position k,
   and pooled over all of them. Under sync/async/threshold only verified positions are labelled,
-  so these numbers describe the positions the policy chose to verify.
+  so these numbers describe the positions the policy chose to verify. The survivals scored are
+  those the rounds were served with: under --online-calibration, each round's in force then.
+* which calibration was in force (its file, "given", "+ online") and its parameters.
+With --warmup N the first N prompts are decoded first and not measured (they warm the online
+calibration up; without it they are skipped), so `--limit 80 --warmup 40` measures prompts 41-80.
 Plots: acceptance_by_position.png and reliability.png (before: raw head, after: calibrated).
 """
 import json
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .calibrate import decode_logged, prompts_for, round_arrays
+from .calibrate import decode_logged, describe, prompts_for, round_arrays, served_survival
 from ..decoder import Decoder
 from ..outputs import SpecMetrics
 from .prompts import existing_file, read_turns
@@ -25,10 +29,11 @@ from ..sampling_params import SamplingParams
 from ..policies.sts import _nan_to_none, auc, brier, ece, reliability_diagram, survivals
 
 
-def calibration_metrics(conf, verified, accepted, temperatures, n_bins: int = 15) -> dict:
+def calibration_metrics(conf, verified, accepted, temperatures, n_bins: int = 15, *,
+                        survival=None) -> dict:
     """Per-position and pooled ECE / AUC / Brier of survivals a_k = prod sigmoid(logit_i / t_i)
-    against 1[accepted >= k], over rounds with verified >= k."""
-    a = survivals(conf, temperatures)
+    (or the given survival [n, gamma]) against 1[accepted >= k], over rounds with verified >= k."""
+    a = survivals(conf, temperatures) if survival is None else survival
     k = np.arange(1, conf.shape[1] + 1)[None, :]
     labels, observed = accepted[:, None] >= k, verified[:, None] >= k
     per = []
@@ -63,12 +68,15 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
              threshold: float = 0.5, calibration=None, sps=None, out_dir="out/eval",
              max_tokens: int = 128, limit: int | None = None, temperature: float = 0.0,
              batch_size: int = 8, chat: bool = False, device="cpu", dtype=None,
-             progress: bool = True, tensor_parallel_size: int = 1) -> dict:
+             progress: bool = True, tensor_parallel_size: int = 1,
+             online_calibration: bool = False, warmup: int = 0,
+             max_chars: int | None = None) -> dict:
     """Decode prompts_file with (target, drafter) and write summary.json + plots to out_dir.
 
     mode / policy / threshold / calibration as in Decoder; sps: an SPSProfile or its JSON path
     for policy sync/async/auto (None: profiling.load_or_profile measures or reuses a cached one;
-    auto also measures or reuses the profile of plain rounds).
+    auto also measures or reuses the profile of plain rounds). online_calibration: as in
+    Decoder; warmup: prompts decoded first, not measured; max_chars: cut each first turn.
     Returns the summary dict."""
     read_turns(prompts_file, limit)  # a bad prompt file fails before any model is loaded
     dec = Decoder.from_pretrained(target, drafter, mode=mode, policy="fixed", device=device,
@@ -84,13 +92,29 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     if policy in ("sync", "async", "auto") and sps is None:
         from ..runner.profiling import load_or_profile
         sps = load_or_profile(dec.runner, progress=progress)
-    if policy != "fixed" or calibration is not None:  # reuse the loaded weights
+    if policy != "fixed" or calibration is not None or online_calibration:  # reuse the weights
         kw = {"threshold": threshold} if policy == "threshold" else {}
+        source = (dec.calibration_source if calibration is None else str(calibration)
+                  if isinstance(calibration, (str, Path)) else "given")
         dec = Decoder(dec.target, dec.drafter, dec.tokenizer, mode=dec.mode, policy=policy,
-                      sps=sps, calibration=calibration or dec.calibration_source,
-                      device=dec.device, tensor_parallel=dec.tensor_parallel, **kw)
-    prompts = prompts_for(dec, prompts_file, max_tokens=max_tokens, limit=limit, chat=chat)
+                      sps=sps, calibration=calibration if calibration is not None
+                      else dec.calibration, device=dec.device,
+                      tensor_parallel=dec.tensor_parallel, online_calibration=online_calibration,
+                      **kw)
+        if source and dec.calibration_source:
+            dec.calibration_source = dec.calibration_source.replace("given", source)
+    prompts = prompts_for(dec, prompts_file, max_tokens=max_tokens, limit=limit, chat=chat,
+                          max_chars=max_chars)
+    if warmup >= len(prompts):
+        raise ValueError(f"warmup {warmup} leaves none of the {len(prompts)} prompts to measure")
+    warm, prompts = prompts[:warmup], prompts[warmup:]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    online = getattr(dec.calibration, "record", False) is not False  # an OnlineCalibration
+    if warm and online:
+        decode_logged(dec, warm, params, batch_size=batch_size, progress=progress, desc="warm-up")
+        dec.calibration.flush()
+    if online:
+        dec.calibration.record = []  # the survivals the measured rounds are served with
     outs, log, seconds = decode_logged(dec, prompts, params, batch_size=batch_size,
                                        progress=progress, desc=f"eval {dec.mode}/{policy}")
     gamma = dec.runner.gamma
@@ -100,6 +124,8 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
                "mode": dec.mode, "policy": policy if dec.mode == "dspark" else "fixed",
                "calibration": dec.calibration_source,  # the temperatures below came from here
                "temperatures": list(dec.engine.calibration.temperatures[:gamma]),
+               "calibration_params": describe(dec.engine.calibration),
+               "warmup_prompts": len(warm) if online else 0,
                "dtype": str(dec.target.dtype).removeprefix("torch."), "device": str(dec.device),
                "n_prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
@@ -116,9 +142,17 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
     conf, ver, acc = round_arrays(log)
     if conf is not None and len(ver) and (ver > 0).any():
         temps = summary["temperatures"]
-        summary["confidence"] = calibration_metrics(conf, ver, acc, temps)
+        if online:  # a round without a verified draft carries no label and is not recorded
+            dec.calibration.flush()
+            rec = dec.calibration.record
+            a, ver, acc = (np.concatenate([r[i] for r in rec]) for i in range(3))
+            conf = np.concatenate([e["conf_logit"].double().numpy() for e in log
+                                   if any(e["lengths"])])
+        else:
+            a = served_survival(dec.engine.calibration, conf)
+        summary["confidence"] = calibration_metrics(conf, ver, acc, temps, survival=a)
         plots["reliability"] = str(reliability_diagram(conf, acc, ver, temps,
-                                                       out_dir / "reliability.png"))
+                                                       out_dir / "reliability.png", survival=a))
     summary["plots"] = plots
     path = out_dir / "summary.json"
     path.write_text(json.dumps(_nan_to_none(summary), indent=1) + "\n")
@@ -141,6 +175,7 @@ def format_summary(s: dict) -> str:
         lines.append("confidence: none (no confidence head, or not dspark mode)")
     else:
         p = c["pooled"]
+        lines.append(f"calibration: {s['calibration']} ({s['calibration_params']})")
         lines.append(f"confidence (temperatures {' '.join(f'{t:.3g}' for t in s['temperatures'])}):"
                      f" pooled ECE {f3(p['ece'])} AUC {f3(p['auc'])} Brier {f3(p['brier'])} "
                      f"over {p['n']} verified positions")
@@ -150,7 +185,7 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from .prompts import parse_tool_args, run_tool, tool_parser
+    from .prompts import parse_tool_args, positive, run_tool, tool_parser
     ap = tool_parser("eval", "Decode a prompt file; report tau, acceptance by position, verify "
                      "lengths, tokens/s and confidence calibration; write summary.json + plots.")
     ap.add_argument("--mode", choices=["ar", "dflash", "dspark"],
@@ -164,9 +199,17 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks to shard the models over (this process and N - 1 workers)")
+    ap.add_argument("--online-calibration", action="store_true",
+                    help="refit the calibration from the rounds served (OnlineCalibration)")
+    ap.add_argument("--warmup", type=positive(int, zero_ok=True), default=0,
+                    help="the first N prompts are decoded first and not measured")
+    ap.add_argument("--max-prompt-chars", type=positive(int),
+                    help="cut each prompt's first turn to this many characters")
     a = parse_tool_args(ap, argv)
     return run_tool(ap, evaluate, a.target, a.drafter, a.prompts, mode=a.mode, policy=a.policy,
                     threshold=a.threshold, calibration=a.calibration, sps=a.sps, out_dir=a.out,
                     max_tokens=a.max_tokens, limit=a.limit, temperature=a.temperature,
                     batch_size=a.batch_size, chat=a.chat, device=a.device, dtype=a.dtype,
-                    tensor_parallel_size=a.tensor_parallel_size)
+                    tensor_parallel_size=a.tensor_parallel_size,
+                    online_calibration=a.online_calibration, warmup=a.warmup,
+                    max_chars=a.max_prompt_chars)
