@@ -46,6 +46,12 @@ class AutoPolicy(SyncScheduler):
         super().__init__(_as_profile(sps).monotone(), max_tokens)
         self.plain = _as_profile(plain).monotone()
         self.drafting = None if drafting is None else _as_profile(drafting).monotone()
+        # per-round decisions read dense tables, not the profiles: a round costs microseconds
+        M = self.plain.max_tokens
+        self._plain_s = 1.0 / self.plain.dense(M)  # [M + 1] seconds of a plain round of B
+        lo = max(1, M // 2)
+        self._plain_slope = max((self._plain_s[M] - self._plain_s[lo]) / (M - lo), 0.0) if M > lo else 0.0
+        self._draft_s = None if self.drafting is None else 1.0 / self.drafting.dense(self.drafting.max_tokens)
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay!r}")
         if explore_every < 0:
@@ -98,13 +104,15 @@ class AutoPolicy(SyncScheduler):
         R = len(caps)
         if self.estimate is None or R > self.max_tokens or R > self.plain.max_tokens:
             return True, False  # nothing known yet (or outside the profiles): speculate and learn
-        a = np.where(np.arange(1, gamma + 1)[None, :] <= np.asarray(caps)[:, None],
-                     self.estimate[None, :gamma], -np.inf)
-        flat = a.ravel()
-        sorted_a = -np.sort(-flat[np.isfinite(flat)])
+        # every request shares the estimate: position j's value once per request whose cap
+        # reaches j, in descending order (the estimate does not rise along j)
+        est = np.minimum.accumulate(self.estimate[:gamma])
+        reach = np.bincount(np.minimum(np.asarray(caps, dtype=np.int64), gamma), minlength=gamma + 1)
+        counts = reach[::-1].cumsum()[::-1][1:]  # requests with cap >= j, j = 1 .. gamma
+        sorted_a = np.repeat(est, counts)
         theta = self._round_theta(R, R, sorted_a)
         best = int(np.argmax(theta))
-        return float(theta[best]) > R * float(self.plain(R)), best == len(sorted_a)
+        return float(theta[best]) > R / float(self._verify_s(R)), best == len(sorted_a)
 
     def _round_theta(self, R: int, drafting: int, sorted_a: np.ndarray) -> np.ndarray:
         """Expected tokens/s of a speculative round of R requests, `drafting` of which drafted,
@@ -112,21 +120,21 @@ class AutoPolicy(SyncScheduler):
         a_n) / (drafting's own cost + t(R + n)), where drafting's own cost is the no-drafts
         round of `drafting` requests less a plain round of as many. Without the no-drafts
         profile: Algorithm 1's tau * SPS(R + n)."""
-        if self.drafting is None or drafting > self.drafting.max_tokens or drafting < 1:
+        if self._draft_s is None or drafting > self.drafting.max_tokens or drafting < 1:
             return self._theta(R, sorted_a)
-        n = np.arange(min(len(sorted_a), self.max_tokens - R) + 1)
-        tokens = R + np.concatenate([[0.0], np.cumsum(sorted_a[: len(n) - 1], dtype=np.float64)])
-        own = 1.0 / float(self.drafting(drafting)) - float(self._verify_s(drafting))
-        return tokens / (max(own, 0.0) + self._verify_s(R + n))
+        n = min(len(sorted_a), self.max_tokens - R)
+        tokens = np.empty(n + 1)
+        tokens[0] = R
+        np.cumsum(sorted_a[:n], dtype=np.float64, out=tokens[1:])
+        tokens[1:] += R
+        own = self._draft_s[drafting] - float(self._verify_s(drafting))
+        return tokens / (max(own, 0.0) + self._verify_s(np.arange(R, R + n + 1)))
 
     def _verify_s(self, B):
         """Seconds of a plain round of B tokens, linear beyond the plain profile's last point."""
-        B = np.asarray(B)
         M = self.plain.max_tokens
-        t = 1.0 / np.asarray(self.plain(np.minimum(B, M)), dtype=np.float64)
-        lo = max(1, M // 2)
-        slope = (1.0 / self.plain(M) - 1.0 / self.plain(lo)) / (M - lo) if M > lo else 0.0
-        return t + np.maximum(B - M, 0) * max(slope, 0.0)
+        B = np.asarray(B)
+        return self._plain_s[np.minimum(B, M)] + np.maximum(B - M, 0) * self._plain_slope
 
     def lengths(self, c_hat, survival, cap, gamma):
         if survival is None:  # a blind round: every draft the caps allow
