@@ -3,7 +3,6 @@ traceback or a hang; the tokenizer's errors name the file or the template."""
 import json
 import re
 import shutil
-import sys
 import time
 
 import pytest
@@ -76,17 +75,6 @@ def test_demo_bad_device(argv, match, capsys):
 
 def test_demo_unwritable_out(blocked, capsys):
     _fails_cleanly(["demo", "--quick", "--out", str(blocked)], capsys, "a_file|Not a directory")
-
-
-def test_demo_without_matplotlib_skips_the_plots(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
-    from dspark_rt.tools import demo
-    monkeypatch.setattr(demo, "PROMPTS", demo.PROMPTS[:1])
-    assert main(["demo", "--quick", "--out", str(tmp_path / "d")]) == 0
-    assert "matplotlib is not installed" in capsys.readouterr().out
-    assert json.loads((tmp_path / "d" / "results.json").read_text())["plots"] == {}
 
 
 # -- 9. profile and eval ---------------------------------------------------------------------

@@ -236,25 +236,3 @@ def test_shipped_pair_decodes_like_ar():
         assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, drafter
     size = sum(f.stat().st_size for f in PRETRAINED.rglob("*") if f.is_file())
     assert size <= 20 * 2 ** 20, size
-
-
-@pytest.mark.skipif(not (PRETRAINED / "target" / "config.json").is_file(),
-                    reason="no shipped pair in dspark_rt/pretrained")
-def test_demo_quick_runs_the_shipped_pair(tmp_path):
-    from dspark_rt.tools import demo
-    res = demo.main(tmp_path, quick=True, as_json=True)
-    assert res["pair"] == "shipped"
-    assert all(r["equals_ar"] for r in res["modes"].values())
-    assert res["modes"]["dspark"]["mean_acceptance_length"] > 1.0
-    assert (tmp_path / "acceptance_by_position.png").is_file()
-    assert (tmp_path / "results.json").is_file()
-
-
-@pytest.mark.parametrize("equal", [True, False])
-def test_demo_cli_fails_when_a_mode_differs_from_plain_decoding(monkeypatch, tmp_path, equal):
-    """`dspark-rt demo` exits 1 naming the mode whose greedy output is not plain decoding's."""
-    from dspark_rt import __main__ as cli
-    from dspark_rt.tools import demo
-    modes = {"ar": {"equals_ar": True}, "dspark": {"equals_ar": equal}}
-    monkeypatch.setattr(demo, "main", lambda *a, **k: {"modes": modes})
-    assert cli.main(["demo", "--out", str(tmp_path)]) == (0 if equal else 1)

@@ -1,15 +1,29 @@
-"""`dspark-rt demo`: ar vs dflash vs dspark on the tiny model pair that ships with the package.
+"""`dspark-rt demo`: plain decoding against dflash and dspark (every shipped head) on the tiny pair.
 
 dspark_rt/pretrained/ holds a tiny Qwen3 target pretrained on Python standard-library sources,
-a DSpark drafter (sequential Markov head + confidence head, gamma 7) and a DFlash drafter with the
-same backbone size, trained against it (scripts/make_tiny_pair.sh rebuilds them). The demo
-decodes a few built-in code-completion prompts greedily in each mode, checks that every mode emits
-exactly the target's tokens, and reports tau (tokens per round), tokens/s, the speed-up over
-plain decoding, acceptance by position and, when a calibration file ships, the ECE of the
-confidence head; plots go to the out folder. Without the shipped files it falls back to a tiny
-randomly initialised pair (the whole path runs, the acceptance numbers then mean nothing).
+DSpark drafters with each sequential head (vanilla `dspark`, `dspark_gated`, `dspark_rnn`;
+gamma 7, confidence head, STS calibration) and a DFlash drafter, trained against it
+(scripts/make_tiny_pair.sh rebuilds them). The demo decodes a few code-completion prompts, as
+one batch, in every mode, greedily and sampled (T 0.7, a fixed seed), and reports:
+
+* the texts: greedy output must equal plain decoding's token for token (checked); sampled
+  output follows the target's distribution but is not token-equal to plain sampling (only
+  SamplingParams(coupled=True) makes it so);
+* tau (tokens per round) and acceptance by position per mode, greedy and sampled;
+* tokens/s and its ratio to plain decoding measured in the same run: the modes are interleaved
+  (each mode once per repetition, order reversed every other one) and the best repetition
+  counts; the machine, the torch thread count and the 1-minute load average before and after
+  are recorded, and the speed is marked not meaningful when the load exceeds 0.75 x cores or
+  the repetitions disagree;
+* whether the greedy continuations fall into a repetition loop (`repetition_loop`);
+* the ECE / AUC of each head's calibrated confidences; plots when matplotlib is installed.
+
+Without the shipped files it falls back to a tiny randomly initialised pair (the whole path
+runs, the acceptance numbers then mean nothing).
 """
 import json
+import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -18,10 +32,14 @@ from .calibrate import round_arrays
 from ..decoder import Decoder
 from ..outputs import SpecMetrics
 from ..sampling_params import SamplingParams
-from ..policies.sts import CALIBRATION_FILE, _nan_to_none
+from ..policies.sts import _nan_to_none
 
 PRETRAINED = Path(__file__).resolve().parents[1] / "pretrained"
-MODES = ("ar", "dflash", "dspark")
+HEADS = ("dspark", "dspark_gated", "dspark_rnn")  # shipped DSpark drafters, one per head type
+TEMPERATURE, SEED = 0.7, 1234
+LOAD_FRACTION = 0.75  # 1-minute load above this x cores: other work competes for the cores
+MAX_SPREAD = 1.3      # best / worst tokens/s of one mode across repetitions above this: noisy
+WIDTH = 100           # terminal columns the text output fits
 
 # Short completions in the style of library code; written for the demo (not from any eval set).
 PROMPTS = [
@@ -39,14 +57,81 @@ PROMPTS = [
 ]
 
 
+def repetition_loop(token_ids, text="", *, window=64, span=24, max_period=8, repeats=3):
+    """How a continuation has fallen into a repetition loop within its first `window` tokens, or
+    None. text: the decoded `token_ids` (the demo decodes at most `window` tokens). Two signs:
+
+    * tokens: the last `span` or more of the first `window` tokens repeat with a period of at most
+      `max_period` tokens (t[i] == t[i - p] along the run): {"kind": "tokens", "period", "span"};
+    * lines: a block of 1 to 3 non-blank lines (spaces stripped) repeated `repeats` or more times
+      in a row, for loops whose period is longer than `max_period` tokens:
+      {"kind": "lines", "period" (lines), "repeats"}.
+    """
+    ids = list(token_ids)[:window]
+    for p in range(1, max_period + 1):
+        n = p  # ids[-n:] has period p; grow it to the left while the repeat holds
+        while n < len(ids) and ids[-n - 1] == ids[-n - 1 + p]:
+            n += 1
+        if n >= span and len(ids) >= 2 * p:
+            return {"kind": "tokens", "period": p, "span": n}
+    lines = [s.strip() for s in text.split("\n") if s.strip()]
+    for q in (1, 2, 3):
+        for i in range(len(lines) - q * repeats + 1):
+            k = 1
+            while lines[i + k * q: i + (k + 1) * q] == lines[i: i + q]:
+                k += 1
+            if k >= repeats:
+                return {"kind": "lines", "period": q, "repeats": k}
+    return None
+
+
+def speed_verdict(load_before, load_after, cores, spreads):
+    """(meaningful, reason or None) for the tokens/s figures: not meaningful when the 1-minute
+    load average, before or after, exceeds LOAD_FRACTION x cores (the demo's own thread adds up
+    to about 1 to the reading after), or when a mode's tokens/s varied by more than MAX_SPREAD
+    between repetitions. spreads: {label: best / worst tokens/s}."""
+    why, limit = [], LOAD_FRACTION * cores
+    worst = max(load_before, load_after)
+    if worst > limit:
+        why.append(f"1-minute load average {worst:.2f} exceeds {LOAD_FRACTION} x {cores} cores "
+                   f"= {limit:.2f}: the machine is loaded")
+    if spreads:
+        label, s = max(spreads.items(), key=lambda kv: kv[1])
+        if s > MAX_SPREAD:
+            why.append(f"{label} tokens/s varied {s:.2f}x between repetitions")
+    return not why, "; ".join(why) or None
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _machine(device) -> dict:
+    import platform
+
+    import torch
+    from .env_info import collect
+    info = collect()
+    cpu = platform.processor() or platform.machine()
+    try:  # env_info does not name the CPU model; Linux does
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
+    return {"cpu": cpu, "cores": _cores(), "gpu": gpu, "device": str(device),
+            "platform": info["platform"], "python": info["python"], "torch": info["torch"],
+            "backends": info["backends"]}
+
+
 def _shipped():
-    """(target, dspark, dflash, calibration or None) of the shipped pair, or None."""
-    t, s, f = PRETRAINED / "target", PRETRAINED / "dspark", PRETRAINED / "dflash"
-    files = [p / name for p in (t, s, f) for name in ("config.json", "model.safetensors")]
-    if not all(p.is_file() for p in files):
+    """(target, {name: (mode, drafter folder)}) of the shipped pair, or None."""
+    def ok(p):
+        return all((p / n).is_file() for n in ("config.json", "model.safetensors"))
+    heads = {h: ("dspark", PRETRAINED / h) for h in HEADS if ok(PRETRAINED / h)}
+    if not (ok(PRETRAINED / "target") and ok(PRETRAINED / "dflash") and heads):
         return None
-    cal = s / CALIBRATION_FILE
-    return t, s, f, (cal if cal.is_file() else None)
+    return PRETRAINED / "target", {"ar": ("ar", None), "dflash": ("dflash", PRETRAINED / "dflash"), **heads}
 
 
 def _random_pair(out: Path):
@@ -58,45 +143,7 @@ def _random_pair(out: Path):
         testing.write_tiny_drafter(drafter, target, head="vanilla", layers=2, block_size=7,
                                    target_layer_ids=[0, 2], markov_rank=32, confidence=True,
                                    confidence_markov=True, seed=7, share_target_layers=True)
-    return target, drafter, drafter, None
-
-
-def _plot_acceptance(results, path):
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 3.4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    modes = [m for m in MODES if m != "ar"]
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):
-        vals = np.nan_to_num(np.asarray(results[mode]["acceptance_by_position"], float), nan=0.0)
-        ks = np.arange(1, len(vals) + 1)
-        ax.bar(ks + (i - (len(modes) - 1) / 2) * width, vals, width,
-               label=f"{mode} (tau {results[mode]['mean_acceptance_length']:.2f})")
-    ax.set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
-           xticks=ks, title="conditional acceptance by position (greedy)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    return str(path)
-
-
-def _run_mode(mode, target, drafter, calibration, prompts, params, device, progress):
-    dec = Decoder.from_pretrained(target, None if mode == "ar" else drafter, mode=mode,
-                                  device=device,
-                                  calibration=calibration if mode == "dspark" else None)
-    dec.round_log = [] if mode == "dspark" else None
-    t0 = time.perf_counter()
-    outs = dec.generate(prompts, params, use_tqdm=progress)
-    secs = time.perf_counter() - t0
-    m = SpecMetrics.merged(o.metrics for o in outs)
-    tokens = sum(len(o.token_ids) for o in outs)
-    r = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs, **m.as_dict(),
-         "samples": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids} for o in outs]}
-    return r, dec
+    return target, {"ar": ("ar", None), "dflash": ("dflash", drafter), "dspark": ("dspark", drafter)}
 
 
 def _has_matplotlib() -> bool:
@@ -107,19 +154,60 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def _calibration_stats(dec, out: Path, plots: dict, can_plot: bool = True):
-    """Pooled / per-position ECE of the calibrated survivals, and the reliability diagram."""
+def _plot_acceptance(modes, path):
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.6))
+    FigureCanvasAgg(fig)
+    spec = [m for m, r in modes.items() if r["mode"] != "ar"]
+    width = 0.8 / len(spec)
+    for j, kind in enumerate(("greedy", "sampled")):
+        ax = fig.add_subplot(1, 2, j + 1)
+        for i, name in enumerate(spec):
+            r = modes[name][kind]
+            vals = np.nan_to_num(np.asarray(r["acceptance_by_position"], float), nan=0.0)
+            ks = np.arange(1, len(vals) + 1)
+            ax.bar(ks + (i - (len(spec) - 1) / 2) * width, vals, width,
+                   label=f"{name} (tau {r['mean_acceptance_length']:.2f})")
+        ax.set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
+               xticks=ks, title=kind if kind == "greedy" else f"sampled, T {TEMPERATURE}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    return str(path)
+
+
+def _calibration_stats(dec, name, prompts, params, out: Path, plots: dict, can_plot: bool):
+    """Pooled / per-position ECE of the calibrated survivals over one extra greedy pass (kept out
+    of the timed runs), and the reliability diagram."""
     from .evaluate import calibration_metrics
     from ..policies.sts import reliability_diagram
+    dec.round_log = []
+    dec.generate(prompts, params, use_tqdm=False)
     conf, ver, acc = round_arrays(dec.round_log)
+    dec.round_log = None
     if conf is None or not (ver > 0).any():
         return None
     temps = list(dec.engine.calibration.temperatures[: dec.runner.gamma])
     c = calibration_metrics(conf, ver, acc, temps)
     if can_plot:
-        plots["reliability"] = str(reliability_diagram(conf, acc, ver, temps, out / "reliability.png"))
+        path = out / f"reliability_{name}.png"
+        plots[f"reliability_{name}"] = str(reliability_diagram(conf, acc, ver, temps, path))
     return {"temperatures": temps, "ece": c["pooled"]["ece"], "auc": c["pooled"]["auc"],
             "ece_by_position": [p["ece"] for p in c["by_position"]]}
+
+
+def _figures(outs, tps) -> dict:
+    """One mode x kind: merged metrics, the best tokens/s, every sample and its loop check."""
+    samples = [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
+                "loop": repetition_loop(o.token_ids, o.text)} for o in outs]
+    return {"tokens": sum(len(o.token_ids) for o in outs), "tokens_per_s": max(tps),
+            "tokens_per_s_runs": tps, "speed_ratio": None,
+            **SpecMetrics.merged(o.metrics for o in outs).as_dict(),
+            "loop_share": sum(s["loop"] is not None for s in samples) / len(samples),
+            "samples": samples}
 
 
 def main(out="out/demo", quick=False, as_json=False, device="cpu"):
@@ -136,69 +224,133 @@ def main(out="out/demo", quick=False, as_json=False, device="cpu"):
 
 
 def _demo(out: Path, quick, as_json, device):
+    import torch
     out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
     pair = _shipped()
     trained = pair is not None
-    target, dspark, dflash, calibration = pair if trained else _random_pair(out)
+    target, specs = pair if trained else _random_pair(out)
     prompts = PROMPTS[:3] if quick else PROMPTS
-    params = SamplingParams(temperature=0, max_tokens=32 if quick else 64, ignore_eos=True)
-    if not as_json:
-        if trained:
-            print(f"Tiny pair shipped in {PRETRAINED}: a 3.7 M-parameter Qwen3 target "
-                  "pretrained on Python stdlib sources (its greedy text loops; what matters\n"
-                  "here is agreement with the drafters), DSpark and DFlash drafters (gamma 7).")
-        else:
-            print(f"NOTE: the shipped model pair is missing from {PRETRAINED}; running a tiny "
-                  f"RANDOMLY INITIALISED pair written to {out} instead.\nAcceptance on random "
-                  "weights says nothing about real models.")
-        print(f"{len(prompts)} prompts, greedy, {params.max_tokens} new tokens each.\n")
-    results, decoders, reference = {}, {}, None
-    for mode in MODES:
-        r, dec = _run_mode(mode, target, dflash if mode == "dflash" else dspark, calibration,
-                           prompts, params, device, progress=not as_json)
-        ids = [s["token_ids"] for s in r["samples"]]
-        r["equals_ar"] = reference is None or ids == reference
-        reference = reference or ids
-        results[mode], decoders[mode] = r, dec
-    can_plot = _has_matplotlib()
-    plots = {"acceptance_by_position":
-             _plot_acceptance(results, out / "acceptance_by_position.png")} if can_plot else {}
-    ar_tps = results["ar"]["tokens_per_s"]
-    for r in results.values():
-        r["speedup"] = r["tokens_per_s"] / ar_tps
-    results["dspark"]["calibration"] = _calibration_stats(decoders["dspark"], out, plots, can_plot) \
-        if calibration is not None else None
+    n_tokens, reps = (32, 2) if quick else (64, 3)
+    kinds = {"greedy": SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True),
+             "sampled": SamplingParams(temperature=TEMPERATURE, seed=SEED, max_tokens=n_tokens,
+                                       ignore_eos=True)}
+    say = (lambda *a: None) if as_json else print
+    if trained:
+        say(f"Model pair: {PRETRAINED}\na 3.7 M-parameter Qwen3 target pretrained on Python stdlib "
+            "sources (its greedy text loops;\nwhat matters here is agreement with the drafters); "
+            f"drafters (gamma 7): {', '.join(n for n in specs if n != 'ar')}.")
+    else:
+        say(f"NOTE: the shipped model pair is missing from {PRETRAINED};\nrunning a tiny RANDOMLY "
+            f"INITIALISED pair written to {out} instead.\nIts acceptance says nothing about real models.")
+    say(f"{len(prompts)} prompts as one batch, {n_tokens} new tokens, greedy and sampled (T "
+        f"{TEMPERATURE}, seed {SEED});\n{len(specs)} modes interleaved x {reps} repetitions.\n")
+    decoders = {name: Decoder.from_pretrained(target, drafter, mode=mode, device=device)
+                for name, (mode, drafter) in specs.items()}
+    for dec in decoders.values():  # warm-up: first-call allocations stay out of the timings
+        dec.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    first, tps = {}, {(n, k): [] for n in decoders for k in kinds}
+    for rep in range(reps):
+        for name in (list(decoders) if rep % 2 == 0 else list(decoders)[::-1]):
+            for kind, params in kinds.items():
+                t0 = time.perf_counter()
+                outs = decoders[name].generate(prompts, params, use_tqdm=False)
+                tps[name, kind].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+                first.setdefault((name, kind), outs)
+    load_after = os.getloadavg()[0]
+    can_plot, plots, modes = _has_matplotlib(), {}, {}
+    for name, (mode, drafter) in specs.items():
+        r = modes[name] = {"mode": mode, "drafter": None if drafter is None else str(drafter),
+                           "calibration_source": decoders[name].calibration_source,
+                           **{k: _figures(first[name, k], tps[name, k]) for k in kinds}}
+        r["equals_ar"] = [s["token_ids"] for s in r["greedy"]["samples"]] == \
+            [s["token_ids"] for s in modes["ar"]["greedy"]["samples"]]
+        for k in kinds:
+            if mode == "ar":  # plain decoding emits one token per forward (it counts no rounds)
+                r[k]["mean_acceptance_length"] = 1.0
+            r[k]["speed_ratio"] = r[k]["tokens_per_s"] / modes["ar"][k]["tokens_per_s"]
+        r["calibration"] = _calibration_stats(decoders[name], name, prompts, kinds["greedy"], out,
+                                              plots, can_plot) if mode == "dspark" else None
+    if can_plot:
+        plots["acceptance_by_position"] = _plot_acceptance(modes, out / "acceptance_by_position.png")
+    spreads = {f"{n} {k}": max(v) / min(v) for (n, k), v in tps.items()}
+    meaningful, why = speed_verdict(load_before, load_after, _cores(), spreads)
     summary = {"pair": "shipped" if trained else "random", "target": str(target),
-               "dspark": str(dspark), "dflash": str(dflash),
-               "calibration": None if calibration is None else str(calibration),
-               "max_tokens": params.max_tokens, "n_prompts": len(prompts), "modes": results,
-               "plots": plots}
+               "n_prompts": len(prompts), "max_tokens": n_tokens, "temperature": TEMPERATURE,
+               "seed": SEED, "repetitions": reps, "machine": _machine(device),
+               "threads": torch.get_num_threads(),
+               "load": {"before": load_before, "after": load_after, "cores": _cores(),
+                        "limit": LOAD_FRACTION * _cores()},
+               "speed_spread": spreads, "speed_meaningful": meaningful, "speed_note": why,
+               "loop_share": {n: r["greedy"]["loop_share"] for n, r in modes.items()},
+               "modes": modes, "plots": plots}
     text = json.dumps(_nan_to_none(summary), indent=2)
     (out / "results.json").write_text(text + "\n")
+    skipped = None if can_plot else "plots skipped: matplotlib is not installed (pip install matplotlib)"
     if as_json:
+        if skipped:
+            import sys
+            print(skipped, file=sys.stderr)
         print(text)
         return summary
-    _print_table(results)
-    print("\nplots: " + (", ".join(plots.values()) if plots else "none (matplotlib is not installed)")
+    _print_texts(modes)
+    _print_table(summary)
+    print("\n" + (skipped or textwrap.fill(f"plots in {out}: " + ", ".join(Path(p).name for p in
+                                                                       plots.values()), WIDTH))
           + f"\nresults: {out / 'results.json'}")
     return summary
 
 
-def _print_table(results):
-    # the most varied completion: a 3.7 M-parameter target loops a lot under greedy decoding
-    s = max(results["dspark"]["samples"], key=lambda x: len(set(x["token_ids"])))
-    print(f"\nprompt {s['prompt']!r}\n  -> {s['text']!r}\n")
-    f2 = lambda x: "  - " if x != x else f"{x:.2f}"
-    print(f"{'mode':7} {'tau':>5} {'tok/s':>7} {'speedup':>7} {'accept':>6}  {'= ar':5} "
-          "acceptance by position k=1..gamma")
-    for mode, r in results.items():
-        by_pos = " ".join(f2(x) for x in r["acceptance_by_position"])
-        tau = f"{r['mean_acceptance_length']:.2f}" if mode != "ar" else "1.00"
-        print(f"{mode:7} {tau:>5} {r['tokens_per_s']:7.1f} {r['speedup']:6.2f}x "
-              f"{r['draft_acceptance_rate']:6.2f}  {str(r['equals_ar']):5} {by_pos}")
-    c = results["dspark"].get("calibration")
-    if c:
-        temps = " ".join(f"{t:.2g}" for t in c["temperatures"])
-        print(f"\ndspark confidence after STS (temperatures {temps}): ECE {c['ece']:.3f}, "
-              f"AUC {c['auc']:.3f}\n  ECE by position: "
-              + " ".join(f2(x) for x in c["ece_by_position"]))
+def _clip(s: str, width: int) -> str:
+    s = repr(s)
+    return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def _print_texts(modes):
+    """Per prompt: the greedy text (one for all modes when they agree) and each mode's sample."""
+    ar = modes["ar"]["greedy"]["samples"]
+    for i, s in enumerate(ar):
+        last = s["prompt"].rstrip("\n").split("\n")[-1]
+        print(f"[{i + 1}] ... {_clip(last, WIDTH - 10)}")
+        agree = all(r["greedy"]["samples"][i]["token_ids"] == s["token_ids"] for r in modes.values())
+        loop = s["loop"]
+        tag = f"{'all modes' if agree else 'ar'}{', LOOPS' if loop else ''}"
+        print(f"  greedy ({tag}): {_clip(s['text'], WIDTH - 14 - len(tag))}")
+        for name, r in modes.items():
+            print(f"  {name:12} T {TEMPERATURE}: {_clip(r['sampled']['samples'][i]['text'], WIDTH - 22)}")
+
+
+def _print_table(summary):
+    modes, m, load = summary["modes"], summary["machine"], summary["load"]
+    f2 = lambda x: "  - " if x is None or x != x else f"{x:.2f}"  # noqa: E731
+    print(f"\n{'mode':12} {'kind':7} {'tau':>5} {'accept':>6} {'tok/s':>7} {'x ar':>5} {'=ar':>3} "
+          f"{'loops':>5}  acceptance by position k=1..gamma")
+    for name, r in modes.items():
+        for kind in ("greedy", "sampled"):
+            f = r[kind]
+            acc = "  -" if r["mode"] == "ar" else f"{f['draft_acceptance_rate']:.2f}"
+            same = ("yes" if r["equals_ar"] else "NO") if kind == "greedy" else "-"
+            loops = f"{round(f['loop_share'] * len(f['samples']))}/{len(f['samples'])}"
+            row = (f"{name if kind == 'greedy' else '':12} {kind:7} {f['mean_acceptance_length']:5.2f} "
+                   f"{acc:>6} {f['tokens_per_s']:7.0f} {f['speed_ratio']:4.2f}x {same:>3} {loops:>5}  "
+                   + " ".join(f2(x) for x in f["acceptance_by_position"]))
+            print(row.rstrip())
+    n = summary["n_prompts"]
+    share = {k: " to ".join(f"{round(x * n)}/{n}" for x in sorted({r[k]["loop_share"] for r in
+                                                                    modes.values()}))
+             for k in ("greedy", "sampled")}
+    print(f"\ntau: tokens per round; x ar: tokens/s over plain decoding's, best of "
+          f"{summary['repetitions']} interleaved repetitions;\n=ar: greedy tokens equal plain "
+          "decoding's (sampled ones follow the same law, but other draws);\nloops: prompts whose "
+          f"continuation repeats itself within {summary['max_tokens']} tokens (repetition_loop): "
+          f"greedy {share['greedy']},\nsampled {share['sampled']}.")
+    print(f"machine: {m['cpu']}, {m['cores']} cores{', ' + m['gpu'] if m['gpu'] else ''}, torch "
+          f"{m['torch']} on {summary['threads']} thread(s)\n1-minute load average: "
+          f"{load['before']:.2f} before, {load['after']:.2f} after (limit {load['limit']:.2f})")
+    if not summary["speed_meaningful"]:
+        print(textwrap.fill(f"SPEED RATIOS UNRELIABLE: {summary['speed_note']}.", WIDTH))
+    cal = {n: r["calibration"] for n, r in modes.items() if r.get("calibration")}
+    if cal:
+        print("confidence after STS calibration (greedy pass): ECE, AUC, ECE by position")
+    for name, c in cal.items():
+        print(f"  {name:12} {c['ece']:.3f} {c['auc']:.3f}  " + " ".join(f2(x) for x in c["ece_by_position"]))
