@@ -144,3 +144,16 @@ def test_lengths_price_drafting_once():
     # costly verification (each token a full round): auto stops early, as Algorithm 1 does
     auto = AutoPolicy(steep, SPSProfile.from_pairs({B: 1.0 / B for B in range(1, 33)}), drafting)
     assert auto.lengths(None, survival, cap, 7).sum() < 8
+
+
+def test_a_step_in_the_measured_curve_does_not_stop_admission():
+    """A round's verify cost grows along the chord of the plain profile: a step in the measured
+    curve (a tile boundary at B = 10) does not make Algorithm 1 stop before the drafts that
+    pay for it."""
+    steep = SPSProfile.from_pairs({B: 1.0 / B for B in range(1, 257)})
+    stepped = SPSProfile.from_pairs({B: 1.0 / (1.0 + 0.01 * B + (0.5 if B >= 10 else 0.0))
+                                     for B in range(1, 65)})
+    drafting = SPSProfile.from_pairs({R: 0.4 for R in range(1, 33)})
+    survival = torch.full((8, 7), 0.97).cumprod(1)
+    lengths = AutoPolicy(steep, stepped, drafting).lengths(None, survival, torch.full((8,), 7), 7)
+    assert lengths.tolist() == [7] * 8

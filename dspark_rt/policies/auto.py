@@ -116,10 +116,13 @@ class AutoPolicy(SyncScheduler):
 
     def _round_theta(self, R: int, drafting: int, sorted_a: np.ndarray) -> np.ndarray:
         """Expected tokens/s of a speculative round of R requests, `drafting` of which drafted,
-        after admitting the first n of sorted_a, n = 0 .. (cut at max_tokens): (R + a_1 + .. +
-        a_n) / (drafting's own cost + t(R + n)), where drafting's own cost is the no-drafts
-        round of `drafting` requests less a plain round of as many. Without the no-drafts
-        profile: Algorithm 1's tau * SPS(R + n)."""
+        after admitting the first n of sorted_a, n = 0 .. N (cut at max_tokens):
+        (R + a_1 + .. + a_n) / (drafting's own cost + t(R) + slope * n). Drafting's own cost is
+        the no-drafts round of `drafting` requests less a plain round of as many; slope is the
+        plain profile's chord from R to R + N, so the cost grows linearly within a round and
+        Algorithm 1's early stop cannot trip on a step of the measured curve (a dip of Theta
+        that later candidates would have lifted again). Without the no-drafts profile:
+        Algorithm 1's tau * SPS(R + n)."""
         if self._draft_s is None or drafting > self.drafting.max_tokens or drafting < 1:
             return self._theta(R, sorted_a)
         n = min(len(sorted_a), self.max_tokens - R)
@@ -128,7 +131,9 @@ class AutoPolicy(SyncScheduler):
         np.cumsum(sorted_a[:n], dtype=np.float64, out=tokens[1:])
         tokens[1:] += R
         own = self._draft_s[drafting] - float(self._verify_s(drafting))
-        return tokens / (max(own, 0.0) + self._verify_s(np.arange(R, R + n + 1)))
+        t_R = float(self._verify_s(R))
+        slope = (float(self._verify_s(R + n)) - t_R) / n if n else 0.0
+        return tokens / (max(own, 0.0) + t_R + slope * np.arange(n + 1))
 
     def _verify_s(self, B):
         """Seconds of a plain round of B tokens, linear beyond the plain profile's last point."""

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from .. import testing
-from .calibrate import round_arrays
+from .calibrate import round_arrays, served_survival
 from ..decoder import Decoder
 from ..outputs import SpecMetrics
 from ..sampling_params import SamplingParams
@@ -191,10 +191,12 @@ def _calibration_stats(dec, name, prompts, params, out: Path, plots: dict, can_p
     if conf is None or not (ver > 0).any():
         return None
     temps = list(dec.engine.calibration.temperatures[: dec.runner.gamma])
-    c = calibration_metrics(conf, ver, acc, temps)
+    a = served_survival(dec.engine.calibration, conf)  # the calibration in force (a table too)
+    c = calibration_metrics(conf, ver, acc, temps, survival=a)
     if can_plot:
         path = out / f"reliability_{name}.png"
-        plots[f"reliability_{name}"] = str(reliability_diagram(conf, acc, ver, temps, path))
+        plots[f"reliability_{name}"] = str(reliability_diagram(conf, acc, ver, temps, path,
+                                                               survival=a))
     return {"temperatures": temps, "ece": c["pooled"]["ece"], "auc": c["pooled"]["auc"],
             "ece_by_position": [p["ece"] for p in c["by_position"]]}
 
@@ -351,6 +353,6 @@ def _print_table(summary):
         print(textwrap.fill(f"SPEED RATIOS UNRELIABLE: {summary['speed_note']}.", WIDTH))
     cal = {n: r["calibration"] for n, r in modes.items() if r.get("calibration")}
     if cal:
-        print("confidence after STS calibration (greedy pass): ECE, AUC, ECE by position")
+        print("confidence after calibration (greedy pass): ECE, AUC, ECE by position")
     for name, c in cal.items():
         print(f"  {name:12} {c['ece']:.3f} {c['auc']:.3f}  " + " ".join(f2(x) for x in c["ece_by_position"]))
