@@ -51,9 +51,10 @@ def _context(dec, out):
 
 
 def test_switching_every_round_keeps_greedy_output_and_drafter_context(plain_tokens):
-    """Plain rounds still write the drafter context of the position they commit, so the
-    context after a run that switches every round equals the one after drafting every round
-    (on this pair a missing context row costs acceptance too little to see in tau)."""
+    """Plain rounds defer the drafter context of the positions they commit and the next
+    drafting round writes it, so the context after a run that switches every round equals the
+    one after drafting every round (on this pair a missing context row costs acceptance too
+    little to see in tau)."""
     pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=2)
     dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=pol, dtype="float64",
                                   calibration="none")
@@ -157,3 +158,36 @@ def test_a_step_in_the_measured_curve_does_not_stop_admission():
     survival = torch.full((8, 7), 0.97).cumprod(1)
     lengths = AutoPolicy(steep, stepped, drafting).lengths(None, survival, torch.full((8,), 7), 7)
     assert lengths.tolist() == [7] * 8
+
+
+def test_deferred_context_is_written_before_a_request_drafts(plain_tokens):
+    """Long plain stretches (exploring with half the batch in turn): the rounds keep the
+    features of the positions they commit and write their drafter context only when the
+    request drafts again. The context the prefix cache keeps equals that of drafting every
+    round, as do the greedy tokens; pages whose context is still deferred are never shared."""
+    from dspark_rt.runner.round import Round
+    pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=6, explore_share=0.5)
+    dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=pol, dtype="float64",
+                                  calibration="none")
+    written = []
+    commit = dec.engine.round.commit_context
+    dec.engine.round.commit_context = lambda *a: written.append(commit(*a)) or written[-1]
+    outs = dec.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_tokens[:4]
+    deferred = sum(not w for ws in written for w in ws)
+    assert deferred > 20 and pol.rounds["speculative"] >= 3, (deferred, pol.rounds)
+    ref = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], dtype="float64")
+    ref_outs = ref.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    for out, ref_out in zip(outs, ref_outs):
+        got, want = _context(dec, out), _context(ref, ref_out)
+        n = min(got.shape[1], want.shape[1])
+        torch.testing.assert_close(got[:, :n], want[:, :n], rtol=1e-9, atol=1e-9)
+    # what a round holds, and drops: requests gone from the batch, rows not covering ctx..kv
+    rnd = Round()
+    f = torch.zeros(4, 3)
+    rnd.deferred = {"a": [(f, 0), (f, 1)], "b": [(f, 2)], "gone": [(f, 3)]}
+    from dspark_rt.runner.batch import SeqBatch
+    batch = SeqBatch([10, 7, 5], [8, 5, 5], [[0]] * 3, [[0]] * 3, [1] * 3, [7] * 3,
+                     [GREEDY] * 3, [0] * 3, [1] * 3, [1] * 3, ids=["a", "b", "c"])
+    assert rnd.held(batch) == [False, True, False]
+    assert set(rnd.deferred) == {"a"}

@@ -210,11 +210,17 @@ def _abort_one(eng, rng, aborted, finished):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dspark", "dflash"])
+@pytest.mark.parametrize("mode", ["dspark", "dflash", "dspark-auto"])
 def test_thousands_of_requests(tiny_target, drafter, reference_target, verified, mode):
-    dec = Decoder.from_pretrained(tiny_target, drafter, mode=mode, dtype="float64",
-                                  page_size=PAGE_SIZE)
-    assert dec.mode == mode and (mode != "dspark" or dec.drafter.head != "none")
+    policy = "fixed"
+    if mode == "dspark-auto":  # mostly plain rounds with deferred drafter context, exploring
+        from dspark_rt.policies import AutoPolicy  # with half the batch one round in three
+        from dspark_rt.policies.sps import SPSProfile
+        spec = SPSProfile([2 ** i for i in range(12)], [2 ** (-i / 2) for i in range(12)])
+        policy = AutoPolicy(spec, spec.scaled(3.0), explore_every=3, explore_share=0.5)
+    dec = Decoder.from_pretrained(tiny_target, drafter, mode=mode.split("-")[0], dtype="float64",
+                                  page_size=PAGE_SIZE, policy=policy)
+    assert dec.mode == mode.split("-")[0] and (dec.mode != "dspark" or dec.drafter.head != "none")
     eng = dec.new_engine(**ENGINE)
     vocab, max_len = dec.target.config.vocab_size, dec.max_model_len
     pool_tokens = ENGINE["num_pages"] * PAGE_SIZE
@@ -346,7 +352,7 @@ def test_thousands_of_requests(tiny_target, drafter, reference_target, verified,
             assert toks == longest[:len(toks)], f"request {rid}: {toks} vs {longest} (same prompt)"
 
     # -- a sample run alone on a fresh Decoder of the same mode, preempted requests first
-    alone = Decoder.from_pretrained(tiny_target, drafter, mode=mode, dtype="float64",
+    alone = Decoder.from_pretrained(tiny_target, drafter, mode=dec.mode, dtype="float64",
                                     page_size=PAGE_SIZE)
     done_preempted = sorted(preempted_ids & set(finished))
     sample = rng.sample(done_preempted, min(N_ALONE // 2, len(done_preempted)))

@@ -194,7 +194,8 @@ class Engine:
                         [r.anchor for r in reqs],
                         [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len)) for r in reqs],
                         [r.params for r in reqs], [r.seed for r in reqs], [r.stream for r in reqs],
-                        [len(r.output_ids) if r.params.coupled else r.round for r in reqs])
+                        [len(r.output_ids) if r.params.coupled else r.round for r in reqs],
+                        [r.request_id for r in reqs])
 
     def _prefill(self, chunks) -> dict:
         reqs = [c.req for c in chunks]
@@ -223,9 +224,12 @@ class Engine:
         if self.round_log is not None:
             self.round_log.append(self._log_entry(reqs, res))
         self._commit(reqs, res.out_tokens, res.failed, res.logits, res.cu_rows[:-1], res.lengths)
-        for r, f, a in zip(reqs, res.failed, res.num_accepted):
-            if not f:  # anchor and accepted drafts entered both caches
-                self.scheduler.decoded(r, a + 1)
+        for r, f, a, ctx, lost in zip(reqs, res.failed, res.num_accepted, res.context,
+                                      res.context_lost):
+            if lost:  # the round dropped deferred features: rebuild that context from the target
+                self.scheduler.context_lost(r)
+            if not f:  # anchor and accepted drafts entered the target cache (and, with ctx, the
+                self.scheduler.decoded(r, a + 1, ctx)  # drafter's: else the round holds them)
         # a request whose target logits hold NaN or +inf fails alone; the others go on
         return {r.request_id: _BAD_LOGITS for r, f in zip(reqs, res.failed) if f}
 

@@ -9,10 +9,11 @@ from ..sampling_params import SamplingParams
 class Request:
     """Positions 0 .. kv_len-1 are committed and in the target's KV cache; the anchor (the last
     emitted token) sits at position kv_len, not yet in the cache. ctx_len positions have
-    drafter context (equal to kv_len between rounds).
+    drafter context (equal to kv_len between rounds, unless ctx_deferred: the round holds the
+    features of ctx_len .. kv_len-1 and writes their context before the request drafts).
 
     One writer per field: the fields up to metrics are set once, when the engine's Processor
-    checks the request; the scheduler writes kv_len, ctx_len and the pages (RequestScheduler:
+    checks the request; the scheduler writes kv_len, ctx_len, ctx_deferred and the pages (RequestScheduler:
     admission, prefill and round progress, preemption); the Processor writes the output fields
     (output_ids .. detok: commit, abort, fail). The runner reads a SeqBatch copy and writes
     nothing."""
@@ -27,6 +28,7 @@ class Request:
     # scheduler
     kv_len: int = 0
     ctx_len: int = 0
+    ctx_deferred: bool = False
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
     # processor (and the engine's abort / error)

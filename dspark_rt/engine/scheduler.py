@@ -21,15 +21,18 @@ class SchedRequest:
     The engine appends committed tokens to output_ids and reports progress through
     prefilled() and decoded(). The scheduler is the one writer of kv_len and ctx_len
     (positions 0..kv_len-1 are in the target cache, 0..ctx_len-1 have drafter context; between
-    steps a decoding request has kv_len == ctx_len == len(prompt_ids) + len(output_ids) - 1, its
-    anchor being output_ids[-1]) and of target_pages, drafter_pages (copies of the block tables,
-    set for every scheduled request); preemption resets all four."""
+    steps a decoding request has kv_len == len(prompt_ids) + len(output_ids) - 1, its anchor
+    being output_ids[-1], and ctx_len == kv_len unless ctx_deferred: then the round holds the
+    features of positions ctx_len .. kv_len-1 and writes their drafter context before the
+    request drafts again) and of target_pages, drafter_pages (copies of the block tables, set
+    for every scheduled request); preemption resets all five."""
     request_id: object
     prompt_ids: list[int]
     max_tokens: int
     output_ids: list[int] = field(default_factory=list)
     kv_len: int = 0
     ctx_len: int = 0
+    ctx_deferred: bool = False
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
 
@@ -110,7 +113,7 @@ class RequestScheduler:
     """gamma: drafts per round (0 for plain decoding); block_size: drafter block length.
     drafter_blocks None: no drafter ("ar"). A decode round costs 1 + gamma budget tokens (the
     verify forward's worst case); a prefill chunk its number of tokens. Before a round the
-    drafter table covers ctx_len + max(block_size, gamma + 1): the block scratch, and the
+    drafter table covers kv_len + max(block_size, gamma + 1): the block scratch, and the
     context update of anchor + up to gamma accepted drafts after it (gamma + 1 > block_size
     with the anchor-first layout, where block_size == gamma)."""
 
@@ -154,6 +157,7 @@ class RequestScheduler:
                 raise ValueError(f"request {rid!r}: up to {n} positions need {bm.pages_for(n)} "
                                  f"pages of {bm.page_size}, the {bm.name} cache has {bm.num_pages}")
         req.kv_len = req.ctx_len = 0
+        req.ctx_deferred = False
         self.waiting.append(req)
         self._live[rid] = req
 
@@ -170,12 +174,24 @@ class RequestScheduler:
         """The engine ran the chunk: its positions are in both caches."""
         req = chunk.req
         req.kv_len, req.ctx_len = max(req.kv_len, chunk.end), chunk.end
+        req.ctx_deferred = False
 
-    def decoded(self, req, n: int) -> None:
+    def decoded(self, req, n: int, context: bool = True) -> None:
         """The engine committed a round of the request: anchor + accepted drafts, n positions,
-        are in the target cache and (written by the round) in the drafter context."""
+        are in the target cache and, with context, (written by the round) in the drafter
+        context; without, the round deferred their drafter context (it keeps their features)
+        and ctx_len stays where the context ends."""
         req.kv_len += n
-        req.ctx_len = req.kv_len
+        if context:
+            req.ctx_len, req.ctx_deferred = req.kv_len, False
+        else:
+            req.ctx_deferred = True
+
+    def context_lost(self, req) -> None:
+        """The round no longer holds the deferred features of [ctx_len, kv_len): the next step
+        rebuilds that drafter context from the target (a prefill chunk, as after a prefix hit
+        the drafter cache lacked)."""
+        req.ctx_deferred = False
 
     def __contains__(self, request_id) -> bool:
         return request_id in self._live
@@ -225,8 +241,9 @@ class RequestScheduler:
     # -- one step ----------------------------------------------------------------------------
 
     def _cursor(self, req) -> int:
-        """First position not yet prefilled in both caches (ctx_len <= kv_len always)."""
-        return req.kv_len if self.drafter is None else req.ctx_len
+        """First position not yet prefilled in both caches (ctx_len <= kv_len always; a deferred
+        drafter context is the round's to write, not a prefill's)."""
+        return req.kv_len if self.drafter is None or req.ctx_deferred else req.ctx_len
 
     def _fits(self, req, n_target: int, n_drafter: int) -> bool:
         rid = req.request_id
@@ -249,6 +266,7 @@ class RequestScheduler:
             if bm is not None:
                 bm.free(req.request_id)
         req.kv_len = req.ctx_len = 0
+        req.ctx_deferred = False
         req.target_pages, req.drafter_pages = [], []
         self.waiting.appendleft(req)
         out.preempted.append(req)
@@ -272,7 +290,7 @@ class RequestScheduler:
                 cost, n_target, n_drafter = n, max(req.kv_len, start + n), start + n
             else:
                 n = cost = 1 + self.gamma
-                n_target, n_drafter = req.kv_len + 1 + self.gamma, req.ctx_len + self.drafter_reach
+                n_target, n_drafter = req.kv_len + 1 + self.gamma, req.kv_len + self.drafter_reach
             if n <= 0 or cost > budget:
                 i += 1
                 continue

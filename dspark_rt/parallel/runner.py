@@ -23,6 +23,7 @@ class WorkerError(RuntimeError):
 
 class ParallelRunner(Runner):
     use_graphs = False  # the forwards run eagerly: collectives are not captured in CUDA graphs
+    defers_context = False  # the round travels to the other ranks with its state: keep it empty
 
     def __init__(self, target, drafter, mode: str, page_size: int, device, group: TPGroup,
                  runner_id: int = 0, tensor_parallel=None):

@@ -38,6 +38,7 @@ class AutoPolicy(SyncScheduler):
     weight of the old estimate per observed round; explore_every: speculate at least once in this
     many rounds (0: never force)."""
     name = "auto"
+    defers_context = True  # plain rounds cost what plain decoding costs: no drafter context
 
     def __init__(self, sps, plain, drafting=None, *, decay: float = 0.8, explore_every: int = 16,
                  explore_share: float = 0.125, max_tokens: int | None = None):

@@ -57,6 +57,9 @@ class VerifyPolicy:
     name = "base"
     needs_confidence = False
     admits_on_device = False
+    # a request that drafts nothing in a round keeps its drafter context update for later
+    # (runner/round.py): worth it for a policy that decodes plainly for many rounds
+    defers_context = False
 
     def speculates(self, caps: list[int], gamma: int) -> bool:
         """Whether this round drafts at all (False: a plain round, the target alone), decided

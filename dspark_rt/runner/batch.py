@@ -20,7 +20,8 @@ class SeqBatch:
     0 .. ctx_lens[i]-1 have drafter context; anchors[i] (its last emitted token, -1 before the
     first) sits at position kv_lens[i], not yet cached. caps[i]: tokens it may still emit this
     round (max_tokens and the model context both count). rounds[i]: the Philox round key (a
-    coupled request's is the number of tokens it emitted so far, DESIGN §2)."""
+    coupled request's is the number of tokens it emitted so far, DESIGN §2). ctx_lens[i] <
+    kv_lens[i] only while the round defers request i's drafter context (it holds the features)."""
     kv_lens: list[int]
     ctx_lens: list[int]
     target_pages: list[list[int]]
@@ -31,13 +32,15 @@ class SeqBatch:
     seeds: list[int]
     streams: list[int]
     rounds: list[int]
+    ids: list | None = None  # request ids: what the round keeps across rounds is keyed by them
 
     def __len__(self) -> int:
         return len(self.kv_lens)
 
     def select(self, rows: list[int]) -> "SeqBatch":
         """The batch of requests rows (in that order)."""
-        return SeqBatch(*([getattr(self, f)[i] for i in rows] for f in self.__dataclass_fields__))
+        return SeqBatch(*(None if getattr(self, f) is None else [getattr(self, f)[i] for i in rows]
+                          for f in self.__dataclass_fields__))
 
     @property
     def filtered(self) -> list[bool]:

@@ -10,8 +10,17 @@ Every step is a method, so a benchmark can replace one (dspark_rt/testing: synth
 phase timers) without a hook in the serving path. The round reads the device once (its results),
 twice when a host-side policy (threshold, sync) needs the confidences first; a policy that
 admits on the device (async) keeps the lengths there until the one read.
+
+Deferred drafter context. A policy that may decode plainly for many rounds (auto:
+policy.defers_context) does not pay step 7 in rounds where a request drafts nothing: the round
+keeps that request's target features (rows of the verify forward's output, by request id) and
+writes their drafter context in one go, right before the request drafts again. Meanwhile the
+request's ctx_len stays where its context ends (RoundResult.context tells the engine), so the
+prefix cache only ever shares drafter pages whose context is written. Features the round no
+longer holds (a request left a batch and came back) are reported in RoundResult.context_lost:
+the engine then rebuilds that context from the target, as after a partial prefix hit.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +42,9 @@ class RoundResult:
                                  # top-k / top-p filtering)
     cu_rows: list[int]           # [R + 1] rows of each request in logits
     conf_logit: torch.Tensor | None  # [R, gamma] raw confidence logits (dspark with a head)
+    context: list[bool] = field(default_factory=list)       # drafter context written up to the
+                                                            # committed positions (else deferred)
+    context_lost: list[bool] = field(default_factory=list)  # deferred features dropped
 
 
 @dataclass
@@ -48,18 +60,25 @@ class Verify:
 
 
 class Round:
-    """The round as a callable: Round()(runner, batch, policy, calibration) -> RoundResult."""
+    """The round as a callable: Round()(runner, batch, policy, calibration) -> RoundResult.
+    Between rounds it holds the deferred features of requests that decoded plainly (module
+    docstring), by request id."""
+
+    def __init__(self):
+        self.deferred: dict = {}  # request id -> [(features [N, F], row)] of ctx_len .. kv_len-1
 
     def __call__(self, runner: Runner, batch: SeqBatch, policy: VerifyPolicy,
                  calibration: Calibration) -> RoundResult:
         rng = runner.rng(batch)  # Philox keys, one upload: the head and the acceptance read them
+        lost = self.held(batch)  # deferred features still held, by request
         # 1-3. block [x0, m, .., m] -> h_k, U_k = lm_head(h_k); x_k ~ q_k = softmax((U_k +
         #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k. None: a plain
         #      round (no drafter, or the policy finds from earlier rounds that drafting won't pay)
         caps = self.caps(batch, runner.gamma)
         speculate = runner.gamma and policy.speculates(caps, runner.gamma)
         if speculate:  # requests whose cap the policy zeroes draft nothing (AutoPolicy explores)
-            caps = policy.draft_caps(caps)
+            caps = [0 if gone else c for c, gone in zip(policy.draft_caps(caps), lost)]
+            batch = self.catch_up(runner, batch, caps)  # deferred context of those that draft
         draft = self.draft(runner, batch, rng, caps) if speculate else None
         # 4. l_r from the calibrated survivals a_k = prod c_hat_i (never from the tokens: that
         #    keeps it lossless), then the flat chains [x0, x_1 .. x_l] of every request
@@ -70,8 +89,53 @@ class Round:
         #    max(0, P - q) at the first rejection, else the bonus y ~ P_l; one host read
         res = self.accept(runner, batch, draft, plan, logits, rng, policy)
         # 7. drafter context of the committed positions: the anchor and the accepted drafts
-        self.commit_context(runner, batch, res, feats)
+        #    (a request that drafted nothing, under a policy that defers: kept for later)
+        drafted = [draft is not None and c > 0 for c in caps]
+        res.context = self.commit_context(runner, batch, res, feats, drafted, lost,
+                                          policy.defers_context and runner.defers_context)
+        res.context_lost = lost
         return res
+
+    # deferred drafter context --------------------------------------------------------------
+
+    def held(self, batch: SeqBatch) -> list[bool]:
+        """Drops the deferred features of requests not in this batch (finished, aborted,
+        preempted, or only left out of it) and of requests whose held rows do not cover
+        ctx_len .. kv_len-1 exactly; returns, per request, whether its deferred context is gone
+        (the engine rebuilds it; until then it drafts nothing)."""
+        if batch.ids is None:
+            self.deferred.clear()
+            return [False] * len(batch)
+        here = set(batch.ids)
+        for rid in [r for r in self.deferred if r not in here]:
+            del self.deferred[rid]
+        lost = []
+        for rid, kv, ctx in zip(batch.ids, batch.kv_lens, batch.ctx_lens):
+            if len(self.deferred.get(rid, ())) != kv - ctx:
+                self.deferred.pop(rid, None)
+                lost.append(kv > ctx)
+            else:
+                lost.append(False)
+        return lost
+
+    def catch_up(self, runner: Runner, batch: SeqBatch, caps: list[int]) -> SeqBatch:
+        """Writes the deferred drafter context of every request about to draft (one context
+        update for all of them); returns the batch with their ctx_len at kv_len."""
+        rows = [i for i, c in enumerate(caps) if c > 0 and batch.ids is not None
+                and batch.ids[i] in self.deferred]
+        if not rows:
+            return batch
+        held = [self.deferred.pop(batch.ids[i]) for i in rows]
+        feats = _gather([f for h in held for f in h])
+        starts = [0]
+        for h in held[:-1]:
+            starts.append(starts[-1] + len(h))
+        runner.context_update([batch.drafter_pages[i] for i in rows], [batch.ctx_lens[i] for i in rows],
+                              [len(h) for h in held], feats, starts)
+        ctx = list(batch.ctx_lens)
+        for i in rows:
+            ctx[i] = batch.kv_lens[i]
+        return replace(batch, ctx_lens=ctx)
 
     # 1-3. parallel draft, sequential head, confidences ---------------------------------------
 
@@ -166,16 +230,43 @@ class Round:
 
     # 7. drafter context --------------------------------------------------------------------------
 
-    def commit_context(self, runner: Runner, batch: SeqBatch, res: RoundResult, feats):
+    def commit_context(self, runner: Runner, batch: SeqBatch, res: RoundResult, feats,
+                       drafted: list[bool], lost: list[bool], defers: bool) -> list[bool]:
         """Target features of the anchor and the accepted drafts (positions kv_len .. kv_len + a)
-        into the drafter's context, for every request that did not fail. A request that stops
-        inside them gets them too: it frees its pages right after, unread."""
+        into the drafter's context, for every request that did not fail; kept instead (deferred)
+        for a request that drafted nothing this round when the policy defers, or whose context
+        is deferred already. A request that stops inside them gets them too: it frees its pages
+        right after, unread. Returns, per request, whether its context is written."""
+        R = len(batch)
         if runner.drafter is None:
-            return
-        ok = [i for i, f in enumerate(res.failed) if not f]
-        runner.context_update([batch.drafter_pages[i] for i in ok], [batch.kv_lens[i] for i in ok],
-                              [res.num_accepted[i] + 1 for i in ok], feats,
-                              [res.cu_rows[i] for i in ok])
+            return [True] * R
+        keep = [not f and not lost[i] and batch.ids is not None and not drafted[i]
+                and (defers or batch.ids[i] in self.deferred) for i, f in enumerate(res.failed)]
+        ok = [i for i, f in enumerate(res.failed) if not f and not keep[i] and not lost[i]]
+        if ok:
+            runner.context_update([batch.drafter_pages[i] for i in ok], [batch.kv_lens[i] for i in ok],
+                                  [res.num_accepted[i] + 1 for i in ok], feats,
+                                  [res.cu_rows[i] for i in ok])
+        for i in (i for i in range(R) if keep[i]):
+            self.deferred.setdefault(batch.ids[i], []).extend(
+                (feats, res.cu_rows[i] + k) for k in range(res.num_accepted[i] + 1))
+        written = set(ok)
+        return [i in written for i in range(R)]
+
+
+def _gather(held: list) -> torch.Tensor:
+    """The rows [(features [N, F], row), ...] stacked in order: one gather per features tensor."""
+    groups: dict = {}
+    for j, (t, row) in enumerate(held):
+        groups.setdefault(id(t), (t, [], []))
+        groups[id(t)][1].append(row)
+        groups[id(t)][2].append(j)
+    first = held[0][0]
+    out = first.new_empty((len(held), first.shape[1]))
+    for t, rows, dest in groups.values():
+        idx = torch.tensor([rows, dest], dtype=torch.int64).to(t.device, non_blocking=True)
+        out[idx[1]] = t[idx[0]]
+    return out
 
 
 def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):

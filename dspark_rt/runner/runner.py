@@ -8,9 +8,9 @@ and verifies every draft, "dspark" adds the sequential head and the confidence h
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .. import ops
 from ..models.batch import AttnMeta
 from .batch import SeqBatch, pages_for
 from .forward import draft_forward
@@ -19,10 +19,22 @@ from .logits_process import filter_rows
 MODES = ("ar", "dflash", "dspark")
 
 
-def _tables(page_lists) -> torch.Tensor:
+def _tables(page_lists) -> np.ndarray:
     """Block tables [R, max(1, longest)] int64 on the host, zero-padded."""
     width = max(1, max(len(p) for p in page_lists))
-    return torch.tensor([list(p) + [0] * (width - len(p)) for p in page_lists], dtype=torch.int64)
+    return np.array([list(p) + [0] * (width - len(p)) for p in page_lists], dtype=np.int64)
+
+
+def _chains(tables: np.ndarray, starts, counts, page_size: int):
+    """Rows of chains of counts[r] positions from starts[r] in a flat batch: (request of each
+    row, its offset in the chain, positions, KV slots), int64 host arrays. numpy, not torch:
+    these are a few dozen host integers per request, where a torch call costs more than its work."""
+    counts = np.asarray(counts, dtype=np.int64)
+    req = np.repeat(np.arange(len(counts)), counts)
+    offset = np.arange(len(req)) - np.repeat(np.cumsum(counts) - counts, counts)
+    positions = np.asarray(starts, dtype=np.int64)[req] + offset
+    slots = tables[req, positions // page_size] * page_size + positions % page_size
+    return req, offset, positions, slots
 
 
 @dataclass
@@ -52,6 +64,9 @@ class Draft:
 
 class Runner:
     use_graphs = True  # a subclass whose forwards cannot be captured turns the graphs off
+    # the round may keep target features between rounds (deferred drafter context, round.py);
+    # off where the round travels to other processes with its state (parallel.ParallelRunner)
+    defers_context = True
     def __init__(self, target, drafter, mode: str, page_size: int, device):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -131,9 +146,9 @@ class Runner:
 
     def meta(self, page_lists, starts, counts, causal):
         """AttnMeta for chains of counts[r] new tokens at positions starts[r].. of each request,
-        built on the host without a per-request tensor op and uploaded in one copy. Returns
-        (meta, positions [N] on the device, cu [R + 1] on the host)."""
-        ps, R = self.page_size, len(counts)
+        built on the host and uploaded in one copy. Returns (meta, positions [N] on the device,
+        cu [R + 1] on the host)."""
+        R = len(counts)
         for pages, s, n in zip(page_lists, starts, counts):
             self._check_pages(pages, s + n, "KV")
         tables = _tables(page_lists)
@@ -142,14 +157,10 @@ class Runner:
         for n in counts:
             cu.append(cu[-1] + n)
         N = cu[-1]
+        _, _, positions, slots = _chains(tables, starts, counts, self.page_size)
         ends = [s + n for s, n in zip(starts, counts)]
-        # row j of request r sits at position starts[r] + j - cu[r]
-        req = torch.repeat_interleave(torch.arange(R), torch.tensor(counts, dtype=torch.int64),
-                                      output_size=N)
-        positions = torch.arange(N) + torch.tensor([s - c for s, c in zip(starts, cu)])[req]
-        slots = tables.view(-1)[req * width + positions // ps] * ps + positions % ps
-        host = torch.cat([torch.tensor(cu + ends), tables.view(-1), slots, positions])
-        dev = self.upload(host, torch.int64)
+        host = np.concatenate([np.asarray(cu + ends, dtype=np.int64), tables.ravel(), slots, positions])
+        dev = self.upload(torch.from_numpy(host), torch.int64)
         o = R + 1
         cu_q, kv_lens = dev[:o].int(), dev[o : o + R].int()
         o += R
@@ -169,7 +180,8 @@ class Runner:
             self._check_pages(pages, kv + min(c, self.gamma) + 1, "target")
         tables = _tables(batch.target_pages)
         width = tables.shape[1]
-        dev = self.upload(torch.cat([torch.tensor(batch.kv_lens), tables.view(-1)]), torch.int64)
+        dev = self.upload(torch.from_numpy(np.concatenate([np.asarray(batch.kv_lens, dtype=np.int64),
+                                                           tables.ravel()])), torch.int64)
         kv0, tables = dev[:R], dev[R:].view(R, width)
         counts = lengths + 1
         cu = torch.zeros(R + 1, dtype=torch.int64, device=lengths.device)
@@ -247,12 +259,14 @@ class Runner:
         row_starts[r] .. of feats) into the drafter's context cache (DESIGN §2 step 7)."""
         if self.drafter is None or not counts:
             return
-        total = sum(counts)
-        req = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=total)
-        shift = torch.tensor(row_starts) - torch.tensor([0] + counts[:-1]).cumsum(0)
-        rows = self.upload(torch.arange(total) + shift[req], torch.int64)
-        meta, pos, _ = self.meta(page_lists, starts, counts, False)
-        self.drafter.context_update(feats[rows], pos, meta.slot_mapping, self.dcache)
+        for pages, s, n in zip(page_lists, starts, counts):
+            self._check_pages(pages, s + n, "KV")
+        req, offset, positions, slots = _chains(_tables(page_lists), starts, counts, self.page_size)
+        rows = np.asarray(row_starts, dtype=np.int64)[req] + offset
+        dev = self.upload(torch.from_numpy(np.stack([positions, slots])), torch.int64)
+        if len(rows) != feats.shape[0] or (rows != np.arange(len(rows))).any():
+            feats = feats[self.upload(torch.from_numpy(rows), torch.int64)]
+        self.drafter.context_update(feats, dev[0], dev[1], self.dcache)
 
     # -- sampling helpers --------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import torch
 from ..runner.round import Round
 
 PHASES = {"draft": "draft", "schedule": "schedule", "verify": "verify_forward",
-          "accept": "accept", "commit_context": "context_update"}
+          "accept": "accept", "commit_context": "context_update", "catch_up": "context_update"}
 
 
 class TimedRound(Round):
@@ -25,6 +25,7 @@ class TimedRound(Round):
 
     def __init__(self, inner: Round, times: dict):
         self.inner, self.times = inner, times
+        self.deferred = inner.deferred  # one state: uninstalling keeps what the rounds deferred
         for method, phase in PHASES.items():
             setattr(self, method, self._timed(getattr(inner, method), phase))
 

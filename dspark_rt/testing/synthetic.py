@@ -87,6 +87,7 @@ class SyntheticRound(Round):
     """A Round whose confidences and acceptance come from a SyntheticAcceptance."""
 
     def __init__(self, synthetic: SyntheticAcceptance):
+        super().__init__()
         self.synthetic = synthetic
 
     def confidences(self, draft):
