@@ -160,15 +160,18 @@ def test_a_step_in_the_measured_curve_does_not_stop_admission():
     assert lengths.tolist() == [7] * 8
 
 
-def test_deferred_context_is_written_before_a_request_drafts(plain_tokens):
+@pytest.mark.parametrize("max_deferred", [16, 2])
+def test_deferred_context_is_written_before_a_request_drafts(plain_tokens, max_deferred):
     """Long plain stretches (exploring with half the batch in turn): the rounds keep the
-    features of the positions they commit and write their drafter context only when the
-    request drafts again. The context the prefix cache keeps equals that of drafting every
-    round, as do the greedy tokens; pages whose context is still deferred are never shared."""
+    features of the positions they commit and write their drafter context when the request
+    drafts again, or when max_deferred positions wait. The context the prefix cache keeps equals
+    that of drafting every round, as do the greedy tokens; pages whose context is still
+    deferred are never shared."""
     from dspark_rt.runner.round import Round
     pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=6, explore_share=0.5)
     dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=pol, dtype="float64",
                                   calibration="none")
+    dec.engine.round.max_deferred = max_deferred
     written = []
     commit = dec.engine.round.commit_context
     dec.engine.round.commit_context = lambda *a: written.append(commit(*a)) or written[-1]

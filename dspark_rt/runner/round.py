@@ -64,6 +64,10 @@ class Round:
     Between rounds it holds the deferred features of requests that decoded plainly (module
     docstring), by request id."""
 
+    # a request's context is written once this many positions wait: deferred rows keep their
+    # round's whole features tensor alive, so the memory held stays that of a few rounds
+    max_deferred = 16
+
     def __init__(self):
         self.deferred: dict = {}  # request id -> [(features [N, F], row)] of ctx_len .. kv_len-1
 
@@ -125,17 +129,21 @@ class Round:
                 and batch.ids[i] in self.deferred]
         if not rows:
             return batch
-        held = [self.deferred.pop(batch.ids[i]) for i in rows]
-        feats = _gather([f for h in held for f in h])
-        starts = [0]
-        for h in held[:-1]:
-            starts.append(starts[-1] + len(h))
-        runner.context_update([batch.drafter_pages[i] for i in rows], [batch.ctx_lens[i] for i in rows],
-                              [len(h) for h in held], feats, starts)
+        self.write_deferred(runner, batch, rows)
         ctx = list(batch.ctx_lens)
         for i in rows:
             ctx[i] = batch.kv_lens[i]
         return replace(batch, ctx_lens=ctx)
+
+    def write_deferred(self, runner: Runner, batch: SeqBatch, rows: list[int]):
+        """The drafter context of the positions ctx_len.. the round holds for requests rows, in
+        one context update; the round then holds nothing for them."""
+        held = [self.deferred.pop(batch.ids[i]) for i in rows]
+        starts = [0]
+        for h in held[:-1]:
+            starts.append(starts[-1] + len(h))
+        runner.context_update([batch.drafter_pages[i] for i in rows], [batch.ctx_lens[i] for i in rows],
+                              [len(h) for h in held], _gather([f for h in held for f in h]), starts)
 
     # 1-3. parallel draft, sequential head, confidences ---------------------------------------
 
@@ -250,7 +258,10 @@ class Round:
         for i in (i for i in range(R) if keep[i]):
             self.deferred.setdefault(batch.ids[i], []).extend(
                 (feats, res.cu_rows[i] + k) for k in range(res.num_accepted[i] + 1))
-        written = set(ok)
+        full = [i for i in range(R) if keep[i] and len(self.deferred[batch.ids[i]]) >= self.max_deferred]
+        if full:
+            self.write_deferred(runner, batch, full)
+        written = set(ok) | set(full)
         return [i in written for i in range(R)]
 
 
