@@ -171,10 +171,30 @@ def _timed(fn, device):
 
 
 def _decode_rate(tokens: int, secs: float, batch: int, first: float) -> float:
-    """Decoding tokens/s: the tokens after each request's first over the time after the first
-    token (a run of max_tokens = 1 times the prefill and the first token alike, so this is the
-    rate of decoding steps, not diluted by the prompt's forward)."""
+    """transformers' decoding tokens/s: the tokens after each request's first over the time
+    after the first token, where `first` is a run of max_new_tokens = 1 (prefill and first
+    token) of the same prompts."""
     return (tokens - batch) / max(secs - first, 1e-9) if tokens > batch else tokens / secs
+
+
+def _decode_timed(dec, prompts, max_tokens, device):
+    """The requests through the Decoder's Engine, step by step (it was sized for them by the
+    warm-up): the steps until every request has its first token (prefill) are timed apart from
+    the decoding steps after them. Returns (outputs, prefill seconds, decoding seconds)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    eng = dec.engine
+    reqs = [eng.make_request(p, params, i) for i, p in enumerate(prompts)]
+    eng.add_all(reqs)
+    _sync(device)
+    t0 = time.perf_counter()
+    while any(not q.output_ids and not q.finished for q in reqs):
+        eng.step()
+    _sync(device)
+    t1 = time.perf_counter()
+    while any(not q.finished for q in reqs):
+        eng.step()
+    _sync(device)
+    return [eng.output(q) for q in reqs], t1 - t0, time.perf_counter() - t1
 
 
 def _generate(dec, prompts, max_tokens):
@@ -225,12 +245,9 @@ def run(models, mode, policy, batch, max_tokens):
     # pass; on the CPU timing the phases costs nothing and the timed run records them.
     times = {} if on_gpu else phase_timer.install(dec)
     _sync(models.device)
-    first = _timed(lambda: _generate(dec, prompts, 1), models.device)[1]  # prefill, first token
     reads0, rounds0 = e.round_host_reads, e.num_rounds
-    outs, secs = _timed(lambda: _generate(dec, prompts, max_tokens), models.device)
+    outs, first, secs = _decode_timed(dec, prompts, max_tokens, models.device)
     split_secs = secs
-    if dec.engine is not e:  # the timed run needed a larger pool: a fresh Engine counted it
-        e, rounds0, reads0 = dec.engine, 0, 0
     rounds = e.num_rounds - rounds0
     reads = (e.round_host_reads - reads0) / rounds if rounds else 0.0
     if on_gpu:
@@ -241,15 +258,13 @@ def run(models, mode, policy, batch, max_tokens):
         split_secs = time.perf_counter() - t1
     phase_timer.uninstall(dec)
     phases = dict(times)
-    # other: engine bookkeeping and commit (the prefill and first token, timed apart, left out)
-    phases["other"] = max(0.0, split_secs - (first if not on_gpu else 0.0) - sum(phases.values()))
-    if not on_gpu:
-        split_secs -= first
+    # other: engine bookkeeping and commit
+    phases["other"] = max(0.0, split_secs - sum(phases.values()))
     syncs = count_cuda_syncs(dec, prompts[: min(batch, 4)], 16)
     tokens = sum(len(o.token_ids) for o in outs)
     m = [o.metrics for o in outs]
     n_rounds = sum(x.num_rounds for x in m)
-    rate = _decode_rate(tokens, secs, batch, first)
+    rate = (tokens - batch) / secs  # the first tokens came with the prefill, before the clock
     row = {"mode": mode, "policy": policy, "batch": batch, "tokens": tokens, "seconds": secs,
            "prefill_seconds": first, "tokens_per_s": rate, "per_user_tokens_per_s": rate / batch,
            "tau": (sum(x.num_accepted_tokens for x in m) + n_rounds) / n_rounds if n_rounds else 1.0,
