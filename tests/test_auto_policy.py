@@ -194,3 +194,35 @@ def test_deferred_context_is_written_before_a_request_drafts(plain_tokens, max_d
                      [GREEDY] * 3, [0] * 3, [1] * 3, [1] * 3, ids=["a", "b", "c"])
     assert rnd.held(batch) == [False, True, False]
     assert set(rnd.deferred) == {"a"}
+
+
+def test_deferred_features_lost_are_rebuilt_from_the_target(plain_tokens):
+    """If the round loses what it deferred (here: dropped by hand mid-run), the request is
+    rebuilt from the target (a prefill chunk over the missing positions) and drafts again:
+    greedy tokens and the prefix-cached drafter context stay those of drafting every round."""
+    pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=4, explore_share=1.0)
+    dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=pol, dtype="float64",
+                                  calibration="none")
+    rnd = dec.engine.round
+    calls, rebuilt, drafted_after = [0], [], []
+    inner = rnd.held
+
+    def held(batch):
+        calls[0] += 1
+        if calls[0] in (5, 9):  # some deferred context is held by then: drop it all
+            assert rnd.deferred
+            rnd.deferred.clear()
+        lost = inner(batch)
+        rebuilt.extend(lost)
+        return lost
+    rnd.held = held
+    draft = rnd.draft
+    rnd.draft = lambda *a: drafted_after.append(calls[0]) or draft(*a)
+    outs = dec.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_tokens[:2]
+    assert any(rebuilt) and max(drafted_after) > 9, (rebuilt, drafted_after)
+    ref = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], dtype="float64")
+    for out, ref_out in zip(outs, ref.generate(PROMPTS[:2], GREEDY, use_tqdm=False)):
+        got, want = _context(dec, out), _context(ref, ref_out)
+        n = min(got.shape[1], want.shape[1])
+        torch.testing.assert_close(got[:, :n], want[:, :n], rtol=1e-9, atol=1e-9)

@@ -226,10 +226,10 @@ class Engine:
         self._commit(reqs, res.out_tokens, res.failed, res.logits, res.cu_rows[:-1], res.lengths)
         for r, f, a, ctx, lost in zip(reqs, res.failed, res.num_accepted, res.context,
                                       res.context_lost):
-            if lost:  # the round dropped deferred features: rebuild that context from the target
-                self.scheduler.context_lost(r)
             if not f:  # anchor and accepted drafts entered the target cache (and, with ctx, the
                 self.scheduler.decoded(r, a + 1, ctx)  # drafter's: else the round holds them)
+            if lost:  # the round dropped deferred features: rebuild that context from the target
+                self.scheduler.context_lost(r)
         # a request whose target logits hold NaN or +inf fails alone; the others go on
         return {r.request_id: _BAD_LOGITS for r, f in zip(reqs, res.failed) if f}
 
