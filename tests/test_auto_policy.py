@@ -179,6 +179,7 @@ def test_deferred_context_is_written_before_a_request_drafts(plain_tokens, max_d
     assert [o.token_ids for o in outs] == plain_tokens[:4]
     deferred = sum(not w for ws in written for w in ws)
     assert deferred > 20 and pol.rounds["speculative"] >= 3, (deferred, pol.rounds)
+    assert not dec.engine.round.deferred  # finished requests hold no features
     ref = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], dtype="float64")
     ref_outs = ref.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
     for out, ref_out in zip(outs, ref_outs):

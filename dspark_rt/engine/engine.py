@@ -124,6 +124,7 @@ class Engine:
             if req is None:
                 return False
             self.scheduler.abort(request_id)
+            self.round.deferred.pop(request_id, None)  # features it deferred are no one's now
             self.processor.abort(req)
             return True
 
@@ -180,6 +181,7 @@ class Engine:
                     self.processor.fail(req, errors[rid])
                 if req.finished:
                     self.scheduler.finish(rid)
+                    self.round.deferred.pop(rid, None)
                     del self.requests[rid]
                 results.append(StepOutput(rid, list(new), req.finished,
                                           self.output(req) if req.finished else None, errors.get(rid)))
