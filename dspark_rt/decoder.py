@@ -147,7 +147,9 @@ class Decoder:
                              "profiler runs on one process; measure it there or pass the tables)")
         from .runner.profiling import load_or_profile_jointly  # measures real rounds of this machine
         if policy != "auto":
-            return make_policy(policy, sps=spec or load_or_profile_jointly([(self.runner, "spread")])[0])
+            if spec is None:
+                spec = load_or_profile_jointly([(self.runner, "spread")])[0]
+            return make_policy(policy, sps=spec)
         # the three measured together: auto decides on their ratios
         plain_runner = Runner(self.target, None, "ar", self.runner.page_size, self.device)
         given = [spec, plain, drafting]
