@@ -200,7 +200,7 @@ def ceilings(device, dtype) -> dict:
 
 def header(device, quiet=False) -> dict:
     """Prints and returns what the numbers depend on."""
-    from dspark_rt import ops
+    from .. import ops
     info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(), "backends": ops.available_backends()}
     if ops._C is not None:
@@ -210,7 +210,7 @@ def header(device, quiet=False) -> dict:
         info.update(gpu=p.name, sms=p.multi_processor_count, torch_cuda=torch.version.cuda,
                     memory_gib=round(p.total_memory / 2**30, 1), l2_mib=round(l2_bytes(device) / 2**20, 1))
         try:
-            from dspark_rt.nvml import nvml_state
+            from ..nvml import nvml_state
             idx = torch.device(device).index or 0
             nv = [g for g in nvml_state() if g["index"] == idx]
             if nv:

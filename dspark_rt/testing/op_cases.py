@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_rt.ops import philox
+from ..ops import philox
 
 SEED = int(os.environ.get("DSPARK_TEST_SEED") or random.SystemRandom().randrange(2**31))
 

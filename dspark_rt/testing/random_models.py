@@ -7,12 +7,12 @@ dspark_rt.testing.synthetic). Weights are N(0, 0.02^2), norm weights 1; generate
 """
 import torch
 
-from dspark_rt.checkpoint.tensors import drafter_specs, target_specs
-from dspark_rt.checkpoint.config import TargetConfig
-from dspark_rt.checkpoint.drafter_config import DrafterConfig
-from dspark_rt.checkpoint.drafter_tensors import adapt
-from dspark_rt.models.drafter import Drafter
-from dspark_rt.models.qwen3 import Qwen3Model
+from ..checkpoint.tensors import drafter_specs, target_specs
+from ..checkpoint.config import TargetConfig
+from ..checkpoint.drafter_config import DrafterConfig
+from ..checkpoint.drafter_tensors import adapt
+from ..models.drafter import Drafter
+from ..models.qwen3 import Qwen3Model
 
 # Qwen/Qwen3-8B config.json (the fields the runtime reads)
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
