@@ -220,6 +220,33 @@ def test_trained_rnn_drafter_equals_runtime(trained):
     assert net.markov_head.markov_w2.weight.abs().max() > 0
 
 
+def test_heldout_loss_scores_every_held_out_token_once(trained):
+    """`train heldout` against the runtime's own forward, window by window: every token of the
+    held-out file after its first is scored exactly once, against the right next token."""
+    import math
+    from dspark_rt.train.corpus import EOT, load_corpus
+    from dspark_rt.train.tokenizer_train import load_tokenizer
+    tmp, _ = trained
+    seq = 16
+    s = _run(["heldout", "--target", str(tmp / "target"), "--corpus", str(tmp / "corpus"),
+              "--seq", str(seq), "--threads", "1"])
+    held = load_corpus(str(tmp / "corpus"), max_bytes=1).heldout
+    tok = load_tokenizer(str(tmp / "target"))
+    tgt = Qwen3Model.from_pretrained(str(tmp / "target"), dtype="float64")
+    nats, n = 0.0, 0
+    for text in held:
+        ids = tok.encode(text).ids + [tok.token_to_id(EOT)]
+        for i in range(1, len(ids)):
+            start = (i - 1) // seq * seq  # the window holding the prediction of ids[i]
+            logp = full_forward_logits(tgt, ids[start:i]).log_softmax(-1)[-1]
+            nats -= logp[ids[i]].item()
+            n += 1
+    assert (s["files"], s["tokens"]) == (len(held), n) and n > seq
+    assert s["nats_per_token"] == pytest.approx(nats / n, rel=1e-5)
+    n_bytes = sum(len(t.encode()) for t in held)
+    assert s["bits_per_byte"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+
+
 @pytest.mark.skipif(not (PRETRAINED / "target" / "config.json").is_file(),
                     reason="no shipped pair in dspark_rt/pretrained")
 def test_shipped_pair_decodes_like_ar():

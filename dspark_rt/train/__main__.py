@@ -6,6 +6,7 @@ Stages, in pipeline order (scripts/make_tiny_pair.sh runs them all with fixed se
   regen      target-generated continuations of corpus windows (drafter training data)
   drafter    train a DSpark (vanilla/gated/rnn head) or DFlash (--head none) drafter -> DeepSpec folder
   prompts    held-out corpus windows as a JSONL prompt file (for `dspark-rt calibrate`)
+  heldout    a target's loss on the held-out corpus files (nats per token, bits per byte)
 The corpus defaults to this interpreter's standard library (*.py, tests skipped).
 """
 import argparse
@@ -126,6 +127,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chars", type=positive(int), default=600, help="characters per prompt (about)")
     p.add_argument("--seed", type=int, default=0)
     _corpus_args(p)
+
+    p = sub.add_parser("heldout", help="a target's loss on the held-out corpus files")
+    p.add_argument("--target", required=True, type=_existing)
+    p.add_argument("--seq", type=positive(int), default=512, help="tokens per scored window")
+    p.add_argument("--corpus", type=_existing, help="folder of *.py files (default: the running Python's stdlib)")
+    p.add_argument("--seed", type=int, default=0, help="the corpus shuffle seed of the training run")
+    p.add_argument("--threads", type=positive(int, zero_ok=True), default=0,
+                   help="torch threads (0: leave as is)")
     return ap
 
 
@@ -140,7 +149,7 @@ def main(argv=None) -> int:
         raise
     except Exception as e:  # noqa: BLE001 - a bad file or setting: one line, not a traceback
         ap.exit(2, f"dspark-rt train {a.stage}: error: {_reason(e)}\n")
-    print(json.dumps({"stage": a.stage, "out": a.out, **s}, indent=2, default=str))
+    print(json.dumps({"stage": a.stage, "out": getattr(a, "out", None), **s}, indent=2, default=str))
     return 0
 
 
@@ -183,6 +192,9 @@ def _run(a) -> dict:
                           lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, seed=a.seed,
                           save_every=a.save_every, resume=a.resume, compile=a.compile,
                           dtype=a.dtype)
+    elif a.stage == "heldout":
+        from .heldout import heldout_loss
+        s = heldout_loss(a.target, corpus=a.corpus, seed=a.seed, seq=a.seq)
     else:
         from .regen import write_prompts
         s = write_prompts(a.out, corpus=a.corpus, max_bytes=a.max_bytes, num=a.num,
