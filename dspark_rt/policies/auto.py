@@ -23,12 +23,18 @@ Losslessness: whether a round drafts depends on earlier rounds only, never on an
 it (DESIGN §4, as for the async budget). To keep the estimates fresh while plain rounds win, one
 round in `explore_every` speculates anyway, for a few requests only (`explore_share` of the
 batch, at least one, taken in turn): the others decode plainly in it, so exploring costs the
-drafting of a few requests, not of the batch.
+drafting of a few requests, not of the batch. While exploring keeps confirming that plain rounds
+win, the interval doubles (up to MAX_BACKOFF x explore_every rounds); a round that speculates on
+the estimates' word sets it back. The first round, with nothing known, explores the same way
+instead of drafting for the whole batch.
 """
 import numpy as np
 import torch
 
 from .prefix import SyncScheduler, _as_profile, candidates, ranked
+
+
+MAX_BACKOFF = 8  # exploring intervals grow up to this many times explore_every
 
 
 class AutoPolicy(SyncScheduler):
@@ -61,6 +67,7 @@ class AutoPolicy(SyncScheduler):
             raise ValueError(f"explore_share must lie in (0, 1], got {explore_share!r}")
         self.decay, self.explore_every, self.explore_share = decay, explore_every, explore_share
         self._explore = False                      # this round speculates only to explore
+        self._interval = explore_every             # plain rounds between exploring ones
         self._explore_from = 0                     # first request of the next exploring round
         self.estimate: np.ndarray | None = None  # [gamma] expected survival by position
         self._plain_run = 0                        # plain rounds since the last speculative one
@@ -77,9 +84,14 @@ class AutoPolicy(SyncScheduler):
     def speculates(self, caps: list[int], gamma: int) -> bool:
         R = len(caps)
         spec, everything = self._decide(caps, gamma)
-        self._explore = False
-        if not spec and self.explore_every and self._plain_run + 1 >= self.explore_every:
+        self._explore = spec is None  # nothing known yet: a few requests draft to learn
+        if spec is None:
+            spec, everything = True, False  # read the confidences: they are what it learns
+        elif spec:
+            self._interval = self.explore_every
+        elif self.explore_every and self._plain_run + 1 >= self._interval:
             spec = self._explore = True
+            self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every)
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
         self._blind = spec and everything and fresh
@@ -101,10 +113,13 @@ class AutoPolicy(SyncScheduler):
         return [c if i in keep else 0 for i, c in enumerate(caps)]
 
     def _decide(self, caps, gamma) -> tuple[bool, bool]:
-        """(whether drafting pays, whether the best round verifies every draft)."""
+        """(whether drafting pays, whether the best round verifies every draft); (None, False)
+        before any estimate."""
         R = len(caps)
-        if self.estimate is None or R > self.max_tokens or R > self.plain.max_tokens:
-            return True, False  # nothing known yet (or outside the profiles): speculate and learn
+        if self.estimate is None:
+            return None, False
+        if R > self.max_tokens or R > self.plain.max_tokens:
+            return True, False  # outside the profiles: speculate (and learn)
         # every request shares the estimate: position j's value once per request whose cap
         # reaches j, in descending order (the estimate does not rise along j)
         est = np.minimum.accumulate(self.estimate[:gamma])

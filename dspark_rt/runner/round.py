@@ -64,9 +64,11 @@ class Round:
     Between rounds it holds the deferred features of requests that decoded plainly (module
     docstring), by request id."""
 
-    # a request's context is written once this many positions wait: deferred rows keep their
-    # round's whole features tensor alive, so the memory held stays that of a few rounds
-    max_deferred = 16
+    # a request's context is written once this many positions wait. A request that finishes
+    # before it drafts again never pays for it (under load, most of them). Deferred rows keep
+    # their round's features tensor alive; in plain rounds every row of it is deferred, so the
+    # memory held is about max_deferred x (features of one token) per request
+    max_deferred = 128
 
     def __init__(self):
         self.deferred: dict = {}  # request id -> [(features [N, F], row)] of ctx_len .. kv_len-1
