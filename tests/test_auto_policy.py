@@ -40,13 +40,13 @@ def test_it_picks_the_faster_round(plain_tokens, plain_speed, expect):
 
 
 
-def _context(dec, out):
+def _context(dec, out, min_pages=2):
     """The drafter context K of the full pages of a finished request's committed tokens (the
     prefix cache keeps them): a function of the token prefix alone."""
     blocks = dec.engine.drafter_blocks
     tokens = out.prompt_token_ids + out.token_ids[:-1]
     pages = blocks.lookup_prefix(tokens)
-    assert len(pages) >= 2
+    assert len(pages) >= min_pages
     return dec.runner.dcache.k_all[:, pages]
 
 
@@ -150,6 +150,24 @@ def test_exploring_backs_off_while_plain_rounds_win():
     assert pol.speculates(caps, 7)
     pol._decide = decide
     assert gaps(4 + 8) == [4, 8]
+    # a close call (speculation expected at 0.9 of plain tokens/s): no backing off
+    pol._decide = lambda c, g: (setattr(pol, "_margin", 0.9), (False, False))[1]
+    assert gaps(16 + 3 * 4) == [16, 4, 4, 4]  # the interval set before, then explore_every
+
+
+def test_estimates_age_by_rounds_and_by_the_share_seen():
+    """After 16 plain rounds, one request that drafts alone (batch 1) replaces the estimate
+    almost entirely (old weight 0.8^16); one of 8 requests moves it as two rounds would (0.8^2)."""
+    for R, old_weight in ((1, 0.8 ** 16), (8, 0.8 ** 2)):
+        pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=0)
+        pol.estimate = np.full(7, 0.1)
+        for _ in range(16):
+            assert not pol.speculates([7] * R, 7)
+        survival = torch.full((R, 7), 0.9)
+        cap = torch.tensor([7] + [0] * (R - 1))
+        pol.lengths(None, survival, cap, 7)
+        want = old_weight * 0.1 + (1 - old_weight) * 0.9
+        np.testing.assert_allclose(pol.estimate, want, rtol=1e-6)  # float32 survivals
 
 
 def test_lengths_price_drafting_once():
@@ -192,7 +210,7 @@ def test_deferred_context_is_written_before_a_request_drafts(plain_tokens, max_d
     that of drafting every round, as do the greedy tokens; pages whose context is still
     deferred are never shared."""
     from dspark_rt.runner.round import Round
-    pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=6, explore_share=0.5)
+    pol = AutoPolicy(SPEC, SPEC.scaled(3.0), explore_every=2, explore_share=0.5)
     dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], policy=pol, dtype="float64",
                                   calibration="none")
     if max_deferred is not None:
@@ -207,10 +225,14 @@ def test_deferred_context_is_written_before_a_request_drafts(plain_tokens, max_d
     assert not dec.engine.round.deferred  # finished requests hold no features
     ref = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], dtype="float64")
     ref_outs = ref.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    shared = 0
     for out, ref_out in zip(outs, ref_outs):
-        got, want = _context(dec, out), _context(ref, ref_out)
+        # a request that finished with context still deferred shares fewer pages
+        got, want = _context(dec, out, min_pages=1), _context(ref, ref_out)
+        shared += got.shape[1]
         n = min(got.shape[1], want.shape[1])
         torch.testing.assert_close(got[:, :n], want[:, :n], rtol=1e-9, atol=1e-9)
+    assert shared > len(outs), shared  # some request shares two pages or more
     # what a round holds, and drops: requests gone from the batch, rows not covering ctx..kv
     rnd = Round()
     f = torch.zeros(4, 3)

@@ -24,9 +24,13 @@ it (DESIGN §4, as for the async budget). To keep the estimates fresh while plai
 round in `explore_every` speculates anyway, for a few requests only (`explore_share` of the
 batch, at least one, taken in turn): the others decode plainly in it, so exploring costs the
 drafting of a few requests, not of the batch. While exploring keeps confirming that plain rounds
-win, the interval doubles (up to MAX_BACKOFF x explore_every rounds); a round that speculates on
-the estimates' word sets it back. The first round, with nothing known, explores the same way
-instead of drafting for the whole batch.
+win by a wide margin (the best speculative round expected below CLEAR_LOSS x a plain round's
+tokens/s), the interval doubles (up to MAX_BACKOFF x explore_every rounds); a closer call, or a
+round that speculates on the estimates' word, sets it back. The first round, with nothing known,
+explores the same way instead of drafting for the whole batch. The estimates age by rounds, not
+by updates, times the share of the batch an update sees: what a single request's exploring round
+sees after a long plain stretch outweighs the stale estimate (text that falls into a repetition
+is drafted far better than its first lines), what an eighth of a batch sees does not.
 """
 import numpy as np
 import torch
@@ -34,7 +38,8 @@ import torch
 from .prefix import SyncScheduler, _as_profile, candidates, ranked
 
 
-MAX_BACKOFF = 8  # exploring intervals grow up to this many times explore_every
+MAX_BACKOFF = 8   # exploring intervals grow up to this many times explore_every ...
+CLEAR_LOSS = 0.75  # ... while speculation is expected below this share of plain tokens/s
 
 
 class AutoPolicy(SyncScheduler):
@@ -68,6 +73,8 @@ class AutoPolicy(SyncScheduler):
         self.decay, self.explore_every, self.explore_share = decay, explore_every, explore_share
         self._explore = False                      # this round speculates only to explore
         self._interval = explore_every             # plain rounds between exploring ones
+        self._margin = 0.0                         # best speculative / plain tokens/s, last decided
+        self._age = 0                              # rounds since the estimates were updated
         self._explore_from = 0                     # first request of the next exploring round
         self.estimate: np.ndarray | None = None  # [gamma] expected survival by position
         self._plain_run = 0                        # plain rounds since the last speculative one
@@ -91,7 +98,9 @@ class AutoPolicy(SyncScheduler):
             self._interval = self.explore_every
         elif self.explore_every and self._plain_run + 1 >= self._interval:
             spec = self._explore = True
-            self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every)
+            self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every) \
+                if self._margin < CLEAR_LOSS else self.explore_every
+        self._age += 1
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
         self._blind = spec and everything and fresh
@@ -128,7 +137,8 @@ class AutoPolicy(SyncScheduler):
         sorted_a = np.repeat(est, counts)
         theta = self._round_theta(R, R, sorted_a)
         best = int(np.argmax(theta))
-        return float(theta[best]) > R / float(self._verify_s(R)), best == len(sorted_a)
+        self._margin = float(theta[best]) * float(self._verify_s(R)) / R
+        return self._margin > 1.0, best == len(sorted_a)
 
     def _round_theta(self, R: int, drafting: int, sorted_a: np.ndarray) -> np.ndarray:
         """Expected tokens/s of a speculative round of R requests, `drafting` of which drafted,
@@ -164,8 +174,11 @@ class AutoPolicy(SyncScheduler):
         a = survival[:, :gamma].detach().to("cpu").double()[drafted].numpy()
         if a.size:  # the drafting requests' survivals by position inform the next decisions
             mean = np.nan_to_num(a, nan=0.0).mean(axis=0)
+            # the old estimate's weight: it ages by rounds, times the share of the batch seen now
+            old = self.decay ** max(self._age * a.shape[0] / len(drafted), 1.0)
             self.estimate = mean if self.estimate is None else \
-                self.decay * self.estimate[:gamma] + (1 - self.decay) * mean
+                old * self.estimate[:gamma] + (1 - old) * mean
+            self._age = 0
         # Algorithm 1 (greedy admission in rank order, stop at the first candidate that does not
         # raise Theta: non-anticipating, so lossless) on this policy's round cost, which prices
         # drafting for the requests that drafted once and each verified token at the plain
