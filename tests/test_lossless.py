@@ -37,37 +37,41 @@ PAIR = Path(__file__).resolve().parent.parent / "dspark_rt" / "pretrained"
 TARGET = PAIR / "target"
 DRAFTERS = {"vanilla": PAIR / "dspark", "gated": PAIR / "dspark_gated", "rnn": PAIR / "dspark_rnn",
             "none": PAIR / "dflash"}
-# Code the target was not trained on (it saw the standard library; these are written here).
+# Code the target was not trained on (it saw the standard library; these are written here),
+# chosen so that its greedy continuations are ones the drafters accept deeply (two of them run
+# into repetition, where every drafter should accept whole blocks).
 PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):\n",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "def read_lines(path):\n    with open(path, encoding=\"utf-8\") as f:\n",
+    "    if not isinstance(name, str):\n        raise TypeError(",
+    "import os\nimport sys\nimport re\nimport time\nimport json\n",
     "    def __repr__(self):\n        return ",
-    "for i in range(len(items)):\n    if items[i] is None:\n",
     "# Copyright (c) the authors.\n\"\"\"Utilities for parsing configuration files.\"\"\"\n",
-    "try:\n    import json\nexcept ImportError:\n",
+    "    def __init__(self):\n        self.",
+    "for i in range(len(items)):\n    if items[i] is None:\n",
+    "    def __init__(self, name, value, parent=None):\n        self.name = name\n"
+    "        self.value = value\n",
+    "    def close(self):\n        ",
 ]
 MAX_TOKENS = 48
-THRESHOLD = 0.7  # uncalibrated confidences: cuts about a third of the drafts on this pair
+THRESHOLD = 0.4  # uncalibrated confidences: cuts about a quarter of the drafts on this pair
 # A verify-token profile under which sync and async admit some drafts and cut others on this
-# pair: SPS(B) = B^-1/2, so a draft pays while its survival exceeds about tau / 2B.
-SPS = SPSProfile([2 ** i for i in range(12)], [2 ** (-i / 2) for i in range(12)])
+# pair: SPS(B) = B^-1/6, so a draft pays while its survival exceeds about tau / 6B.
+SPS = SPSProfile([2 ** i for i in range(12)], [2 ** (-i / 6) for i in range(12)])
 # Floors on (mean acceptance length tau, share of rounds accepting all gamma = 7 drafts): 0.85 x
-# tau and 0.5 x the share measured on PROMPTS at batch 8 in float32 (2026-12-01; tau / share:
-# dflash 3.16 / 0.034; vanilla fixed 5.30 / 0.465, threshold 4.88 / 0.364, sync 3.58 / 0.048,
-# async 4.59 / 0.305; gated fixed 5.15 / 0.425, threshold 4.37 / 0.349; rnn fixed 5.53 / 0.485,
-# async 5.08 / 0.297).
+# tau and 0.5 x the share measured on PROMPTS at batch 8 in float32 (2026-12-01, the pair
+# retrained on the whole library; tau / share: dflash 2.28 / 0 (it never accepts a whole block
+# here); vanilla fixed 4.37 / 0.186, threshold 4.13 / 0.165, sync 3.92 / 0.021, async 4.04 /
+# 0.043; gated fixed 4.09 / 0.217, threshold 3.92 / 0.208; rnn fixed 4.64 / 0.370, async 4.42 /
+# 0.235).
 FLOORS = {
-    ("none", "fixed"): (2.7, 0.017),
-    ("vanilla", "fixed"): (4.5, 0.23),
-    ("vanilla", "threshold"): (4.15, 0.18),
-    ("vanilla", "sync"): (3.05, 0.024),
-    ("vanilla", "async"): (3.9, 0.15),
-    ("gated", "fixed"): (4.4, 0.21),
-    ("gated", "threshold"): (3.7, 0.17),
-    ("rnn", "fixed"): (4.7, 0.24),
-    ("rnn", "async"): (4.3, 0.15),
+    ("none", "fixed"): (1.94, 0.0),
+    ("vanilla", "fixed"): (3.7, 0.093),
+    ("vanilla", "threshold"): (3.5, 0.082),
+    ("vanilla", "sync"): (3.3, 0.010),
+    ("vanilla", "async"): (3.4, 0.021),
+    ("gated", "fixed"): (3.45, 0.108),
+    ("gated", "threshold"): (3.3, 0.104),
+    ("rnn", "fixed"): (3.95, 0.185),
+    ("rnn", "async"): (3.75, 0.117),
 }
 
 
@@ -191,11 +195,13 @@ def _w1_w2_swapped(dec):
 
 
 # name -> (drafter it breaks, the bug). On this pair the DSpark drafters lean on their Markov
-# heads: shifting their block slots changes tau by under 5% (measured), so the backbone bugs are
-# checked on the DFlash drafter, whose drafts come from the backbone alone.
+# heads: shifting their block slots changes tau by under 5% (measured), so that backbone bug is
+# checked on the DFlash drafter, whose drafts come from the backbone alone. A misread mask token
+# costs the DFlash drafter little here (tau 2.28 -> 2.15: its later positions accept almost
+# nothing either way) and the RNN drafter much (4.64 / 0.37 -> 3.42 / 0.11): checked there.
 MUST_FAIL_GREEDY = {
     "block-slots-one-off": ("none", lambda dec: _patched(Drafter, "forward_block", _slots_one_off)),
-    "mask-token-misread": ("none", lambda dec: contextlib.nullcontext(_wrong_mask_token(dec))),
+    "mask-token-misread": ("rnn", lambda dec: contextlib.nullcontext(_wrong_mask_token(dec))),
     "head-dropped": ("vanilla", lambda dec: contextlib.nullcontext(_head_dropped(dec))),
     "markov-w1-w2-swapped": ("vanilla", lambda dec: contextlib.nullcontext(_w1_w2_swapped(dec))),
 }
