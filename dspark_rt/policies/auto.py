@@ -94,12 +94,11 @@ class AutoPolicy(SyncScheduler):
         self._explore = spec is None  # nothing known yet: a few requests draft to learn
         if spec is None:
             spec, everything = True, False  # read the confidences: they are what it learns
-        elif spec:
-            self._interval = self.explore_every
-        elif self.explore_every and self._plain_run + 1 >= self._interval:
+        elif spec or self._margin >= CLEAR_LOSS:
+            self._interval = self.explore_every  # speculating, or a close call: no backing off
+        if not spec and self.explore_every and self._plain_run + 1 >= self._interval:
             spec = self._explore = True
-            self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every) \
-                if self._margin < CLEAR_LOSS else self.explore_every
+            self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every)
         self._age += 1
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
