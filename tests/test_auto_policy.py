@@ -106,6 +106,29 @@ def test_drafting_cost_of_many_requests_is_counted():
     assert decide(costed, 1)                             # one request: 1 + 4.2 tokens for ~1.6x
 
 
+def test_it_drafts_for_the_requests_whose_drafts_pay():
+    """Each request has its own estimate once it drafted: in a batch of 8 where drafting for
+    all costs more than it returns, the one request whose drafts are nearly all accepted (its
+    text repeats) drafts alone; the others decode plainly in the same round. Without request
+    ids (one shared estimate) the round is plain."""
+    plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])
+    sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])
+    drafting = SPSProfile([1, 8, 32], [80.0, 15.0, 5.0])
+    ids = list("abcdefgh")
+    pol = AutoPolicy(sps, plain, drafting, explore_every=0)
+    pol.estimate = np.full(7, 0.2)
+    assert not pol.speculates([7] * 8, 7)  # ids unknown to it: the shared estimate says no
+    pol._own["c"] = (np.full(7, 0.99), pol._round)
+    pol.begin_round(ids)
+    assert pol.speculates([7] * 8, 7)
+    assert pol.draft_caps([7] * 8) == [0, 0, 7, 0, 0, 0, 0, 0]
+    # its own survivals, seen in the round, update its estimate (and only its own)
+    pol.lengths(None, torch.full((8, 7), 0.5), torch.tensor([0, 0, 7, 0, 0, 0, 0, 0]), 7)
+    assert set(pol._own) == {"c"} and pol._own["c"][0][0] == pytest.approx(0.8 * 0.99 + 0.2 * 0.5)
+    pol.begin_round(None)
+    assert not pol.speculates([7] * 8, 7)  # ids unknown to it: no own estimate to go on
+
+
 def test_exploring_rounds_draft_for_a_few_requests(plain_tokens):
     """While plain rounds win, an exploring round drafts for explore_share of the batch only (in
     turn), and the estimates learn from those requests' survivals alone; greedy output stays

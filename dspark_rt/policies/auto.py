@@ -77,6 +77,10 @@ class AutoPolicy(SyncScheduler):
         self._age = 0                              # rounds since the estimates were updated
         self._explore_from = 0                     # first request of the next exploring round
         self.estimate: np.ndarray | None = None  # [gamma] expected survival by position
+        self._own: dict = {}                       # request id -> (its own estimate, round seen)
+        self._ids: list | None = None              # this round's request ids (None: not known)
+        self._chosen: set | None = None            # batch rows that draft (None: all of them)
+        self._round = 0
         self._plain_run = 0                        # plain rounds since the last speculative one
         self._blind_run = 0                        # rounds verified blind since the last read
         self._blind = False                        # this round verifies every draft unread
@@ -88,8 +92,17 @@ class AutoPolicy(SyncScheduler):
         read (one device read fewer, as under "fixed")."""
         return not self._blind
 
+    def begin_round(self, ids) -> None:
+        self._ids = None if ids is None else list(ids)
+        if self._ids is not None and len(self._own) > 2 * len(self._ids) + 16:
+            here = set(self._ids)  # forget the requests that finished
+            self._own = {k: v for k, v in self._own.items() if k in here}
+
     def speculates(self, caps: list[int], gamma: int) -> bool:
         R = len(caps)
+        self._round += 1
+        if self._ids is not None and len(self._ids) != R:
+            self._ids = None  # not this batch's
         spec, everything = self._decide(caps, gamma)
         self._explore = spec is None  # nothing known yet: a few requests draft to learn
         if spec is None:
@@ -111,9 +124,13 @@ class AutoPolicy(SyncScheduler):
         return spec
 
     def draft_caps(self, caps: list[int]) -> list[int]:
-        """An exploring round keeps the caps of explore_share of the requests (in turn)."""
+        """An exploring round keeps the caps of explore_share of the requests (in turn); another
+        speculative round those of the requests whose drafts the estimates say pay."""
         R = len(caps)
-        if not self._explore or R < 2:
+        if not self._explore:
+            return caps if self._chosen is None else \
+                [c if i in self._chosen else 0 for i, c in enumerate(caps)]
+        if R < 2:
             return caps
         k = max(1, int(R * self.explore_share))
         keep = {(self._explore_from + i) % R for i in range(k)}
@@ -122,22 +139,56 @@ class AutoPolicy(SyncScheduler):
 
     def _decide(self, caps, gamma) -> tuple[bool, bool]:
         """(whether drafting pays, whether the best round verifies every draft); (None, False)
-        before any estimate."""
+        before any estimate. With request ids, each request has its own estimate (from the
+        rounds it drafted in; the shared one until then): the requests are ranked by their
+        expected accepted drafts and the round drafts for the best k of them, k = 1, 2, 4, ..,
+        R, while the round's expected tokens/s keeps rising; the rest decode plainly in it."""
         R = len(caps)
+        self._chosen = None
         if self.estimate is None:
             return None, False
         if R > self.max_tokens or R > self.plain.max_tokens:
             return True, False  # outside the profiles: speculate (and learn)
-        # every request shares the estimate: position j's value once per request whose cap
-        # reaches j, in descending order (the estimate does not rise along j)
-        est = np.minimum.accumulate(self.estimate[:gamma])
-        reach = np.bincount(np.minimum(np.asarray(caps, dtype=np.int64), gamma), minlength=gamma + 1)
-        counts = reach[::-1].cumsum()[::-1][1:]  # requests with cap >= j, j = 1 .. gamma
-        sorted_a = np.repeat(est, counts)
-        theta = self._round_theta(R, R, sorted_a)
-        best = int(np.argmax(theta))
-        self._margin = float(theta[best]) * float(self._verify_s(R)) / R
-        return self._margin > 1.0, best == len(sorted_a)
+        if self._ids is None or not any(rid in self._own for rid in self._ids):
+            # one estimate for all: all draft, or none. Position j's value once per request
+            # whose cap reaches j, in descending order (the estimate does not rise along j)
+            est = np.minimum.accumulate(self.estimate[:gamma])
+            reach = np.bincount(np.minimum(np.asarray(caps, dtype=np.int64), gamma), minlength=gamma + 1)
+            shared = np.repeat(est, reach[::-1].cumsum()[::-1][1:])  # requests with cap >= j
+            order, ks = None, [R]
+        else:
+            reach = np.arange(gamma) < np.minimum(np.asarray(caps, dtype=np.int64), gamma)[:, None]
+            est = self._estimates(R, gamma) * reach  # [R, gamma], non-increasing along rows
+            order = np.argsort(-est.sum(axis=1), kind="stable")
+            ks = sorted({min(2 ** i, R) for i in range(R.bit_length() + 1)})
+        best, best_k, everything = 0.0, 0, False
+        for k in ks:
+            if order is None:
+                a = shared
+            else:
+                rows = est[order[:k]]
+                a = -np.sort(-rows[rows > 0])  # Algorithm 1's order: descending survival
+            theta = self._round_theta(R, k, a)
+            j = int(np.argmax(theta))
+            if theta[j] <= best:
+                break
+            best, best_k, everything = float(theta[j]), k, j == len(a)
+        self._margin = best * float(self._verify_s(R)) / R
+        if self._margin <= 1.0:
+            return False, False
+        if order is not None and best_k < R:
+            self._chosen = set(order[:best_k].tolist())
+        return True, everything
+
+    def _estimates(self, R: int, gamma: int) -> np.ndarray:
+        """[R, gamma]: each request's own estimate, else the shared one."""
+        out = np.tile(self.estimate[:gamma], (R, 1))
+        if self._ids is not None:
+            for i, rid in enumerate(self._ids):
+                own = self._own.get(rid)
+                if own is not None:
+                    out[i] = own[0][:gamma]
+        return np.minimum.accumulate(out, axis=1)
 
     def _round_theta(self, R: int, drafting: int, sorted_a: np.ndarray) -> np.ndarray:
         """Expected tokens/s of a speculative round of R requests, `drafting` of which drafted,
@@ -178,6 +229,13 @@ class AutoPolicy(SyncScheduler):
             self.estimate = mean if self.estimate is None else \
                 old * self.estimate[:gamma] + (1 - old) * mean
             self._age = 0
+            if self._ids is not None and len(self._ids) == len(drafted):
+                # each drafting request's own estimate, aged by the rounds since it last drafted
+                for r, row in zip(np.flatnonzero(drafted.numpy()), np.nan_to_num(a, nan=0.0)):
+                    own = self._own.get(self._ids[r])
+                    w = 0.0 if own is None else self.decay ** (self._round - own[1])
+                    self._own[self._ids[r]] = (row if own is None else w * own[0][:gamma] + (1 - w) * row,
+                                               self._round)
         # Algorithm 1 (greedy admission in rank order, stop at the first candidate that does not
         # raise Theta: non-anticipating, so lossless) on this policy's round cost, which prices
         # drafting for the requests that drafted once and each verified token at the plain

@@ -61,6 +61,10 @@ class VerifyPolicy:
     # (runner/round.py): worth it for a policy that decodes plainly for many rounds
     defers_context = False
 
+    def begin_round(self, ids) -> None:
+        """The round's request ids in batch order (None when the caller has none), before
+        speculates(): for a policy that keeps per-request state (AutoPolicy)."""
+
     def speculates(self, caps: list[int], gamma: int) -> bool:
         """Whether this round drafts at all (False: a plain round, the target alone), decided
         before drafting and so from earlier rounds only. caps: drafts each request may verify."""

@@ -81,6 +81,8 @@ class Round:
         #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k. None: a plain
         #      round (no drafter, or the policy finds from earlier rounds that drafting won't pay)
         caps = self.caps(batch, runner.gamma)
+        if runner.gamma and hasattr(policy, "begin_round"):
+            policy.begin_round(batch.ids)
         speculate = runner.gamma and policy.speculates(caps, runner.gamma)
         if speculate:  # requests whose cap the policy zeroes draft nothing (AutoPolicy explores)
             caps = [0 if gone else c for c, gone in zip(policy.draft_caps(caps), lost)]
