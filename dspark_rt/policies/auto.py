@@ -13,8 +13,10 @@ growth with n comes from the plain profile (linear beyond its last point). Witho
 the speculative side is priced by sps(R + n), which on most machines undercounts the cost of
 drafting for many requests (sps is measured with R = ceil(B / (gamma + 1))). The survivals of
 the coming round are estimated per draft position from the calibrated
-survivals of past rounds (an exponential average), and the speculative side takes the best n
-(Algorithm 1's objective, with the estimates for every request). A speculative round then
+survivals of past rounds (exponential averages): one shared, and one per request that drafted
+(with the request ids of begin_round). The speculative side drafts for the k requests with the
+best estimates (the others decode plainly in the round) and takes the best n (Algorithm 1's
+objective on their estimates), k and n those of the highest expected tokens/s. A round then
 chooses its lengths with Algorithm 1 on its own confidences (SyncScheduler), except when the
 estimates say every draft pays: then it verifies them all without reading the confidences (as
 "fixed" does), reading them again at least once in explore_every rounds.
