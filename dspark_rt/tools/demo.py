@@ -2,7 +2,7 @@
 
 dspark_rt/pretrained/ holds a tiny Qwen3 target pretrained on Python standard-library sources,
 DSpark drafters with each sequential head (vanilla `dspark`, `dspark_gated`, `dspark_rnn`;
-gamma 7, confidence head, STS calibration) and a DFlash drafter, trained against it
+gamma 7, confidence head, calibration table) and a DFlash drafter, trained against it
 (scripts/make_tiny_pair.sh rebuilds them). The demo decodes a few code-completion prompts, as
 one batch, in every mode, greedily and sampled (T 0.7, a fixed seed), and reports:
 
@@ -240,7 +240,8 @@ def _demo(out: Path, quick, as_json, device):
     say = (lambda *a: None) if as_json else print
     if trained:
         say(f"Model pair: {PRETRAINED}\na 3.7 M-parameter Qwen3 target pretrained on Python stdlib "
-            "sources (its greedy text loops;\nwhat matters here is agreement with the drafters); "
+            "sources (its greedy text\nstill falls into loops on some prompts: a model this small);"
+            " "
             f"drafters (gamma 7): {', '.join(n for n in specs if n != 'ar')}.")
     else:
         say(f"NOTE: the shipped model pair is missing from {PRETRAINED};\nrunning a tiny RANDOMLY "
