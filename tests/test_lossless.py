@@ -1,7 +1,8 @@
 """What is proven about losslessness, and how strongly. Start here.
 
 Greedy (this file). On the shipped trained pair (dspark_rt/pretrained: a Qwen3 target and DSpark
-drafters with vanilla, gated and RNN heads plus a DFlash drafter, all of which accept deeply),
+drafters with vanilla, gated and RNN heads plus a DFlash drafter; on PROMPTS the DSpark drafters
+accept deeply, the DFlash drafter less: tau 2.3, never a whole block),
 speculative output equals plain greedy decoding token for token for modes dflash and dspark,
 policies fixed / threshold (a threshold that cuts) / sync / async (profiles under which they
 verify some drafts and cut others), batch 1 and 8, a prefix-cache miss and then a hit, float64
