@@ -2,7 +2,8 @@
 # Rebuilds the tiny model pair shipped in dspark_rt/pretrained/: a Qwen3 target, three DSpark
 # drafters (vanilla Markov, gated Markov and RNN sequential heads, each with a confidence head,
 # gamma 7) and a DFlash drafter with the same backbone, plus each DSpark confidence head's
-# calibration (a survival table per position), and the target's held-out loss. About 45 minutes on 2 CPU cores (THREADS=2).
+# calibration (a survival table per position), and the target's held-out loss. About 45 minutes
+# on 2 CPU cores (THREADS=2).
 #
 # Data: the Python standard library of the interpreter that runs this (*.py files; test suites,
 # site-packages, encodings, pydoc_data and files over 200 kB skipped; all of the rest, 9 MB of
@@ -61,7 +62,8 @@ for h in gated rnn; do
     stage "dspark_$h" drafter --out "$W/dspark_$h" --head "$h" --rank 128 \
         --upgrade-dflash "$W/dflash" "${D[@]}"
 done
-# STS temperatures of the DSpark confidence head on held-out stdlib windows (not the eval sets)
+# calibration of the DSpark confidence heads (a survival table per position) on held-out stdlib
+# windows (not the eval sets)
 have "$W/calib_prompts.jsonl" ||
     stage prompts prompts --out "$W/calib_prompts.jsonl" --num 48 --chars 600 --seed 0
 for d in dspark dspark_gated dspark_rnn; do

@@ -95,7 +95,7 @@ class AutoPolicy(SyncScheduler):
         return not self._blind
 
     def begin_round(self, ids) -> None:
-        self._ids = None if ids is None else list(ids)
+        self._ids = ids  # read this round only, not kept
         if self._ids is not None and len(self._own) > 2 * len(self._ids) + 16:
             here = set(self._ids)  # forget the requests that finished
             self._own = {k: v for k, v in self._own.items() if k in here}
