@@ -133,8 +133,8 @@ PYBIND11_MODULE(_C, m) {
     py::class_<P> c(m, cls);
     c.def(py::init<>());
     c.def_readwrite("R", &P::R).def_readwrite("gamma", &P::gamma).def_readwrite("V", &P::V);
-    c.def_readwrite("rank", &P::rank).def_readwrite("d", &P::d);
-    DefEnum(c, cls, "head", &P::head, 0, static_cast<int>(MarkovHead::kRnn));
+    c.def_readwrite("rank", &P::rank).def_readwrite("d", &P::d).def_readwrite("top_k", &P::top_k);
+    DefEnum(c, cls, "head", &P::head, 0, static_cast<int>(MarkovHead::kSelector));
     c.def_readwrite("confidence", &P::confidence);
     c.def_readwrite("confidence_markov", &P::confidence_markov);
     DefEnum(c, cls, "dtype", &P::dtype, 0, kMaxDType);
@@ -223,7 +223,7 @@ PYBIND11_MODULE(_C, m) {
     c.def_readwrite("head_dim", &P::head_dim).def_readwrite("page_size", &P::page_size);
     c.def_readwrite("num_pages", &P::num_pages).def_readwrite("max_pages", &P::max_pages);
     DefEnum(c, cls, "dtype", &P::dtype, 0, kMaxDType);
-    c.def_readwrite("causal", &P::causal).def_readwrite("scale", &P::scale);
+    c.def_readwrite("causal", &P::causal).def_readwrite("scale", &P::scale).def_readwrite("window", &P::window);
     DefPtr(c, "q", &P::q);
     DefPtr(c, "cu_q", &P::cu_q);
     DefPtr(c, "k_cache", &P::k_cache);

@@ -5,13 +5,14 @@
 
 namespace dspark {
 
-enum class MarkovHead : int { kNone = 0, kVanilla = 1, kGated = 2, kRnn = 3 };
+enum class MarkovHead : int { kNone = 0, kVanilla = 1, kGated = 2, kRnn = 3, kSelector = 4 };
 
 struct MarkovSampleParams {
   int64_t R = 0, gamma = 0, V = 0;
   int64_t rank = 0;    // r: Markov rank (0 with head kNone)
   int64_t d = 0;       // hidden size of h_k
   MarkovHead head = MarkovHead::kNone;
+  int64_t top_k = 0;   // kSelector: candidates per step (1 <= top_k <= V)
   bool confidence = false;         // a confidence head exists
   bool confidence_markov = false;  // its input is [h_k; W1[x_{k-1}]] instead of h_k
   DType dtype = DType::kFloat32;   // logits U / z: the compute dtype of the head
@@ -20,11 +21,13 @@ struct MarkovSampleParams {
   DType out_dtype = DType::kFloat32;  // logprob, lse, conf_logit: float64 iff dtype is float64
 
   void* logits = nullptr;          // [R, gamma, V] in: base logits U; out: z = U + bias
+                                   // (selector: -inf outside the step's top_k candidates)
   const void* hidden = nullptr;    // [R, gamma, d]
   const int64_t* anchor = nullptr; // [R] x0
   const void* w1 = nullptr;        // [V, rank]  markov_w1.weight (embedding)
   const void* w2 = nullptr;        // [V, rank]  markov_w2.weight (Linear rank -> V)
-  const void* gate_w = nullptr;    // [rank, d + rank] gated head, input [h_k; e]
+  const void* gate_w = nullptr;    // [rank, d + rank] gated head, input [h_k; e];
+                                   // [rank, d] selector head (linear gate of h_k, no bias)
   const void* gate_b = nullptr;    // [rank]
   const void* joint_w = nullptr;   // [3 rank, rank + rank + d] rnn head, input [s; e; h_k]
   const void* joint_b = nullptr;   // [3 rank]

@@ -10,6 +10,8 @@ struct VerifyAttentionParams {
   int64_t page_size = 0, num_pages = 0, max_pages = 0;  // max_pages: block table row length
   DType dtype = DType::kFloat32;  // q, caches and out
   bool causal = true;             // false: bidirectional within the chain (drafter block)
+  int64_t window = 0;  // > 0: the query at position p sees keys at positions j with
+                       // p - j < window (and j - p < window when bidirectional): sliding layers
   double scale = 1.0;  // double so float64 attention matches the reference to the last ulp
 
   const void* q = nullptr;             // [N, h_q, head_dim]; request r owns rows cu_q[r] .. cu_q[r+1]-1

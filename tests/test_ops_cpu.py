@@ -96,7 +96,7 @@ def _flipped_rows(case, kw, z, rz, r64z):
     most) apart, moving bias_v by 2^-7 |u_j| |w2[v, j]|. Such rows must be rare: a kernel that
     skipped the rounding would miss the tolerance in (nearly) every row."""
     none = torch.zeros(z.shape[:2], dtype=torch.bool)
-    if case.head not in ("gated", "rnn") or kw["w2"].dtype != torch.bfloat16:
+    if case.head not in ("gated", "rnn", "selector") or kw["w2"].dtype != torch.bfloat16:
         return none
     fin = torch.isfinite(r64z)
     err = lambda a: (a.double() - r64z.double()).where(fin, 0.0).abs()
@@ -104,6 +104,8 @@ def _flipped_rows(case, kw, z, rz, r64z):
     row_err = err(z).amax(-1)
     off = row_err > tol
     u_max = float(kw["w1"].double().abs().max()) if case.head == "gated" else 1.0  # |g|, |tanh| < 1
+    if case.head == "selector":  # u = (gate_w h) * e
+        u_max *= float((kw["hidden"].double() @ kw["gate_w"].double().T).abs().max())
     bound = tol + 2 * 2.0 ** -7 * u_max * float(kw["w2"].double().abs().max())  # two steps a row
     assert bool((row_err[off] <= bound).all()), f"z rows off by {float(row_err.max()):.3g} > {bound:.3g}"
     assert int(off.sum()) <= max(1, off.numel() // 20), f"{int(off.sum())} rows of z off: u not rounded?"
@@ -114,6 +116,8 @@ def _check_markov(case, dtype, kw):
     where = oc.where(case)
     z, tok, lp, lse, conf = _markov(kw, "cpp")
     rz, rtok, rlp, rlse, rconf = _markov(kw, "reference")
+    # -inf entries of z (the selector's non-candidates) depend only on U: they must match
+    assert torch.equal(z.isneginf(), rz.isneginf()), where
     # Greedy steps are argmax of the returned z, structurally (no reference needed).
     greedy = kw["temperature"] == 0
     if greedy.any():
@@ -374,16 +378,36 @@ def test_verify_attention_plan_reuse(case, backend):
     q, cu_q, bt, kv_lens = kw["q"], kw["cu_q"], kw["block_tables"], kw["kv_lens"]
     caches = [(kw["k_cache"], kw["v_cache"])]
     caches.append(tuple(torch.where(c.isnan(), c, torch.randn_like(c)) for c in caches[0]))
-    plan = ops.plan_verify_attention(cu_q, kv_lens, bt, caches[0][0], h_q=case.h_q,
-                                     causal=case.causal, backend=backend)
+    mask = dict(causal=case.causal, window=case.window)
+    plan = ops.plan_verify_attention(cu_q, kv_lens, bt, caches[0][0], h_q=case.h_q, **mask,
+                                     backend=backend)
     out = torch.full((q.shape[0], case.h_q, case.head_dim), math.nan)
     for k_cache, v_cache in caches:
         args = (q, cu_q, k_cache, v_cache, bt, kv_lens)
-        want = ops.verify_attention(*args, causal=case.causal, scale=kw["scale"], backend=backend)
-        got = ops.verify_attention(*args, causal=case.causal, scale=kw["scale"], plan=plan)
+        want = ops.verify_attention(*args, **mask, scale=kw["scale"], backend=backend)
+        got = ops.verify_attention(*args, **mask, scale=kw["scale"], plan=plan)
         assert torch.equal(got, want), oc.where(case)
-        into = ops.verify_attention(*args, causal=case.causal, scale=kw["scale"], plan=plan, out=out)
+        into = ops.verify_attention(*args, **mask, scale=kw["scale"], plan=plan, out=out)
         assert into is out and torch.equal(out, want), oc.where(case)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_verify_attention_window_edges(backend):
+    """A window as wide as every context is no window (bit for bit); a causal window of 1 sees
+    only the query's own key, so the output is that key's value."""
+    case = oc.AttentionCase((5, 3), (30, 7), 4, 2, 16, 8)
+    kw = oc.attention_inputs(case)
+    want = _attention(kw, backend)
+    assert torch.equal(_attention({**kw, "window": 35}, backend), want)  # kv_len 35: all keys
+    assert not torch.equal(_attention({**kw, "window": 34}, backend), want)  # the last row binds
+    own = _attention({**kw, "window": 1}, backend)
+    ps, L = case.page_size, [35, 10]
+    for r, (lo, n) in enumerate(((0, 5), (5, 3))):
+        for i in range(n):
+            pos = L[r] - n + i
+            page = int(kw["block_tables"][r, pos // ps])
+            v = kw["v_cache"][page, pos % ps].repeat_interleave(2, 0)  # KV head of each q head
+            assert torch.allclose(own[lo + i], v, atol=1e-6)
 
 
 def test_verify_attention_plan_mismatch():
@@ -620,7 +644,7 @@ def test_binding_errors():
     assert {"version", "cuda", "cuda_archs", "cuda_version", "compiler", "openmp"} <= set(info)
     p = _C.MarkovSampleParams()
     with pytest.raises(ValueError, match="head"):
-        p.head = 4
+        p.head = 5
     with pytest.raises(ValueError, match="dtype"):
         p.dtype = -1
     p.R, p.gamma, p.V = 1, 1, 10  # every pointer null: the launcher refuses, nothing crashes

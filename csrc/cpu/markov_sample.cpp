@@ -13,6 +13,9 @@
 // Dot products accumulate in T: for float32 the reference itself forms the bias with a float32
 // GEMM, so a double accumulator would not bring the two closer than their float32 rounding;
 // float64 accumulates in double.
+// The selector head (DFlash2's candidate selector) has no sweep: each row's top_k candidates of
+// U are chosen before the first step (U does not depend on the drafted tokens), the row is set
+// to -inf, and each step scores, normalises and samples only the candidates.
 // bfloat16 weights under float32 logits (weight_dtype != dtype) are widened on load: the small
 // head weights and hidden once per call, w1 one row per request and step, w2 in registers as
 // the sweep streams it (2 bytes per element). The projected vector u is rounded to bfloat16
@@ -56,6 +59,8 @@ struct Ctx {
   std::vector<LsePart> lse;   // [R, n_slices]
   std::vector<ArgPart> arg;   // [R, n_slices]
   int64_t n_slices = 0;
+  std::vector<int64_t> cand;  // selector: [R, gamma, top_k] candidates, ascending index
+  std::vector<T> cand_u;      // selector: U at the candidates
 
   explicit Ctx(const MarkovSampleParams& q) : p(q) {}
   PhiloxKey Key(int64_t r) const {
@@ -96,6 +101,9 @@ DSPARK_ALWAYS_INLINE void HeadStepImpl(Ctx<T>& c, int64_t r, int64_t k) {
         const T a = Dot(row, h, d) + Dot(row + d, e, rank) + c.gate_b[i];
         u[i] = Sigmoid(a) * e[i];
       }
+      break;
+    case MarkovHead::kSelector:  // g = gate_w h (no bias); u = g * e
+      for (int64_t i = 0; i < rank; ++i) u[i] = Dot(c.gate_w + i * d, h, d) * e[i];
       break;
     case MarkovHead::kRnn: {  // a = joint_w [s; e; h] + joint_b = (gate, cand, out)
       T* s = c.state.data() + r * rank;
@@ -167,6 +175,77 @@ DSPARK_ALWAYS_INLINE void SliceImpl(Ctx<T>& c, int64_t sl, int64_t k) {
   }
 }
 
+// Selector: the top_k candidates of row `row` of U (NaN ranks as -inf; equal values keep the
+// lower index), stored in ascending index order with their U values; the row becomes -inf.
+template <class T>
+void SelectCandidates(Ctx<T>& c, int64_t row) {
+  const int64_t V = c.p.V, K = c.p.top_k;
+  T* z = c.logits + row * V;
+  int64_t* out = c.cand.data() + row * K;
+  auto key = [](T x) { return x != x ? -std::numeric_limits<double>::infinity() : double(x); };
+  if (K >= V) {
+    for (int64_t v = 0; v < V; ++v) out[v] = v;
+  } else {
+    // A running top-K list in rank order; a later index displaces only a strictly larger value.
+    std::vector<std::pair<double, int64_t>> top;
+    top.reserve(K + 1);
+    for (int64_t v = 0; v < V; ++v) {
+      const double x = key(z[v]);
+      if (static_cast<int64_t>(top.size()) == K && !(x > top.back().first)) continue;
+      auto at = std::upper_bound(top.begin(), top.end(), x,
+                                 [](double a, const std::pair<double, int64_t>& b) { return a > b.first; });
+      top.insert(at, {x, v});
+      if (static_cast<int64_t>(top.size()) > K) top.pop_back();
+    }
+    for (int64_t j = 0; j < K; ++j) out[j] = top[j].second;
+    std::sort(out, out + K);
+  }
+  T* u = c.cand_u.data() + row * K;
+  for (int64_t j = 0; j < K; ++j) u[j] = z[out[j]];
+  std::fill(z, z + V, -std::numeric_limits<T>::infinity());
+}
+
+// Selector step k of request r after HeadStep: z on the candidates, x_k, lse_k, logprob_k.
+template <class T>
+DSPARK_ALWAYS_INLINE void SelectorStepImpl(Ctx<T>& c, int64_t r, int64_t k) {
+  const MarkovSampleParams& p = c.p;
+  const int64_t K = p.top_k, rank = p.rank, row = r * p.gamma + k;
+  const int64_t* cand = c.cand.data() + row * K;
+  const T* cu = c.cand_u.data() + row * K;
+  const T* u = c.proj.data() + r * rank;
+  T* z = c.logits + row * p.V;
+  std::vector<double> zt(K), w(K);
+  const double t = c.Temp(r);
+  for (int64_t j = 0; j < K; ++j) {
+    const int64_t v = cand[j];
+    const T b = c.widen ? Dot(static_cast<const uint16_t*>(c.w2) + v * rank, u, rank)
+                        : Dot(static_cast<const T*>(c.w2) + v * rank, u, rank);
+    z[v] = cu[j] + b;
+    zt[j] = static_cast<double>(z[v]) / t;
+  }
+  const LsePart part = LseSlice(zt.data(), K, w.data());
+  ArgPart best;
+  if (p.temperature[r] == 0.0f) {
+    for (int64_t j = 0; j < K; ++j) best.Offer(zt[j], cand[j]);
+  } else {
+    const NoiseSite site = SiteOf(c.Key(r), p.coupled && p.coupled[r], kPurposeDraft, k + 1);
+    uint32_t words[4];
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t v = cand[j];
+      PhiloxBlock(site.key, site.purpose, site.position, static_cast<uint64_t>(v) >> 2, words);
+      best.Offer(zt[j] + -std::log(-std::log(WordToUniform(words[v & 3]))), v);
+    }
+  }
+  const int64_t x = best.Index();
+  const double lv = part.Value();
+  p.tokens[row] = x;
+  static_cast<T*>(p.lse)[row] = static_cast<T>(lv);
+  static_cast<T*>(p.logprob)[row] = static_cast<T>(static_cast<double>(z[x]) / t - lv);
+  c.prev[r] = x;
+}
+
+DSPARK_CPU_CLONES void SelectorStep(Ctx<float>& c, int64_t r, int64_t k) { SelectorStepImpl(c, r, k); }
+DSPARK_CPU_CLONES void SelectorStep(Ctx<double>& c, int64_t r, int64_t k) { SelectorStepImpl(c, r, k); }
 DSPARK_CPU_CLONES void HeadStep(Ctx<float>& c, int64_t r, int64_t k) { HeadStepImpl(c, r, k); }
 DSPARK_CPU_CLONES void HeadStep(Ctx<double>& c, int64_t r, int64_t k) { HeadStepImpl(c, r, k); }
 DSPARK_CPU_CLONES void Slice(Ctx<float>& c, int64_t sl, int64_t k) { SliceImpl(c, sl, k); }
@@ -181,7 +260,8 @@ Status Run(const MarkovSampleParams& p) {
   c.w1 = p.w1;
   c.w2 = p.w2;
   c.hidden = Widened<T>(p.hidden, R * p.gamma * d, wd, c.widened[0]);
-  c.gate_w = Widened<T>(p.gate_w, rank * (d + rank), wd, c.widened[1]);
+  const bool selector = p.head == MarkovHead::kSelector;
+  c.gate_w = Widened<T>(p.gate_w, rank * (selector ? d : d + rank), wd, c.widened[1]);
   c.gate_b = Widened<T>(p.gate_b, rank, wd, c.widened[2]);
   c.joint_w = Widened<T>(p.joint_w, 3 * rank * (2 * rank + d), wd, c.widened[3]);
   c.joint_b = Widened<T>(p.joint_b, 3 * rank, wd, c.widened[4]);
@@ -200,6 +280,19 @@ Status Run(const MarkovSampleParams& p) {
   T* conf = static_cast<T*>(p.conf_logit);
   if (!p.confidence) std::fill(conf, conf + R * p.gamma, T(0));
 
+  if (selector) {
+    c.cand.resize(R * p.gamma * p.top_k);
+    c.cand_u.resize(R * p.gamma * p.top_k);
+    ParallelFor(R * p.gamma, R * p.gamma * p.V > (1 << 16), [&](int64_t row) { SelectCandidates(c, row); });
+    const bool par = R * rank * (p.d + p.top_k) > (1 << 16);
+    for (int64_t k = 0; k < p.gamma; ++k) {
+      ParallelFor(R, par, [&](int64_t r) {
+        HeadStep(c, r, k);
+        SelectorStep(c, r, k);
+      });
+    }
+    return Status::kOk;
+  }
   int64_t head_work = 0;  // multiply-adds of one head step, to decide whether to fan out
   if (p.head == MarkovHead::kGated) head_work = rank * (p.d + rank);
   if (p.head == MarkovHead::kRnn) head_work = 3 * rank * (2 * rank + p.d);
@@ -229,7 +322,7 @@ Status Run(const MarkovSampleParams& p) {
 Status Validate(const MarkovSampleParams& p) {
   if (p.R < 0 || p.gamma < 0 || p.V < 0 || p.rank < 0 || p.d < 0) return Status::kBadArgument;
   const int head = static_cast<int>(p.head);
-  if (head < 0 || head > static_cast<int>(MarkovHead::kRnn)) return Status::kBadArgument;
+  if (head < 0 || head > static_cast<int>(MarkovHead::kSelector)) return Status::kBadArgument;
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat64) return Status::kUnsupported;
   if (p.weight_dtype != p.dtype &&
       !(p.dtype == DType::kFloat32 && p.weight_dtype == DType::kBFloat16)) {
@@ -245,6 +338,9 @@ Status Validate(const MarkovSampleParams& p) {
   if (needs_w && (p.rank < 1 || !p.w1 || !p.w2)) return Status::kBadArgument;
   if (p.head == MarkovHead::kGated && (!p.gate_w || !p.gate_b)) return Status::kBadArgument;
   if (p.head == MarkovHead::kRnn && (!p.joint_w || !p.joint_b)) return Status::kBadArgument;
+  if (p.head == MarkovHead::kSelector && ((p.d > 0 && !p.gate_w) || p.top_k < 1 || p.top_k > p.V)) {
+    return Status::kBadArgument;
+  }
   if (p.confidence && (!p.conf_b || (!p.conf_w && p.d + (p.confidence_markov ? p.rank : 0) > 0))) {
     return Status::kBadArgument;
   }

@@ -123,17 +123,26 @@ DSPARK_ALWAYS_INLINE void ItemImpl(const VerifyAttentionParams& p, int64_t item)
   std::vector<T> Vpad(pad_v ? kTileKeys * hdp : 0, T(0));
   std::vector<T> mrow(Mp, kNegInf), lrow(Mp, T(0)), m_new(Mp), corr(Mp);
   std::vector<int64_t> last(Mp, -1);  // the last key column m may see
+  std::vector<int64_t> first(Mp, 0);  // the first (a sliding window's lower edge)
+  int64_t t_begin = L;                // the first key any column sees
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = m / group, h = kvh * group + m % group;
     const T* src = q + ((lo + i) * p.h_q + h) * hd;
     for (int64_t c = 0; c < hd; ++c) Qt[c * Mp + m] = src[c];
-    last[m] = p.causal ? L - n + i : L - 1;
+    const int64_t pos = L - n + i;
+    last[m] = p.causal ? pos : L - 1;
+    if (p.window > 0) {
+      first[m] = std::max<int64_t>(0, pos - p.window + 1);
+      if (!p.causal) last[m] = std::min(last[m], pos + p.window - 1);
+    }
+    t_begin = std::min(t_begin, first[m]);
   }
+  t_begin -= t_begin % kTileKeys;  // tiles wholly before every window are skipped
   const T* k_rows[kTileKeys];
   const T* v_rows[kTileKeys];
   const T* p_rows[kRows];
 
-  for (int64_t t0 = 0; t0 < L; t0 += kTileKeys) {
+  for (int64_t t0 = t_begin; t0 < L; t0 += kTileKeys) {
     const int64_t nk = std::min(kTileKeys, L - t0), nkp = RoundUp(nk, kRows);
     for (int64_t t = 0; t < nkp; ++t) {
       if (t >= nk) {
@@ -160,7 +169,7 @@ DSPARK_ALWAYS_INLINE void ItemImpl(const VerifyAttentionParams& p, int64_t item)
     for (int64_t t = 0; t < nk; ++t) {
       T* s = St.data() + t * Mp;
       for (int64_t m = 0; m < Mp; ++m) {
-        const T v = t0 + t <= last[m] ? s[m] * scale : kNegInf;
+        const T v = t0 + t <= last[m] && t0 + t >= first[m] ? s[m] * scale : kNegInf;
         s[m] = v;
         m_new[m] = v > m_new[m] ? v : m_new[m];
       }
@@ -213,7 +222,7 @@ DSPARK_CPU_CLONES void Item64(const VerifyAttentionParams& p, int64_t item) {
 
 Status Validate(const VerifyAttentionParams& p) {
   if (p.R < 0 || p.h_q < 0 || p.h_kv < 0 || p.head_dim < 0 || p.page_size < 0 ||
-      p.num_pages < 0 || p.max_pages < 0) {
+      p.num_pages < 0 || p.max_pages < 0 || p.window < 0) {
     return Status::kBadArgument;
   }
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat64) return Status::kUnsupported;

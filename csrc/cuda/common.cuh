@@ -85,6 +85,41 @@ __device__ __forceinline__ float WarpSum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+
+// acc[i][q] += w_i . h_q over d elements for 4 weight rows w_i and 8 vectors h_q, this lane's
+// share (every 32nd element, or every 32nd group of 4 when vec: 16-byte aligned rows); the
+// caller sums acc over the warp. The matvec of a head's small weights against many rows.
+template <class W>
+__device__ __forceinline__ void RowDots4x8(const W* const wp[4], const W* const hp[8], int d, bool vec,
+                                           int lane, float acc[4][8]) {
+  if (vec) {
+    for (int j = lane * 4; j < d; j += 128) {
+      float4 w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = Load4(wp[i] + j);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float4 h = Load4(hp[q] + j);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[i][q] = fmaf(w[i].x, h.x, fmaf(w[i].y, h.y, fmaf(w[i].z, h.z, fmaf(w[i].w, h.w, acc[i][q]))));
+        }
+      }
+    }
+  } else {
+    for (int j = lane; j < d; j += 32) {
+      float w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = ToFloat(wp[i][j]);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float h = ToFloat(hp[q][j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i][q] = fmaf(w[i], h, acc[i][q]);
+      }
+    }
+  }
+}
 __device__ __forceinline__ float WarpMax(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));

@@ -24,11 +24,13 @@
 // e_eff of a group live in shared memory. The RNN head returns kUnsupported: its state update
 // needs a (3r x (2r + d)) matvec per step and request, and the ops door
 // (dspark_rt/ops/__init__.py, _markov_backend) routes rnn on CUDA tensors to the reference.
+// The selector head (top-k candidates, no vocabulary-wide W2 sweep) lives in markov_select.cu.
 #include "markov_sample.h"
 
 #include <algorithm>
 
 #include "cuda/common.cuh"
+#include "cuda/markov_select.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/sampling.cuh"
 
@@ -491,33 +493,7 @@ __global__ void __launch_bounds__(kThreads) MarkovProjKernel(ProjArgs a) {
     hp[q] = static_cast<const W*>(a.hidden) + static_cast<int64_t>(min(vt * 8 + q, a.N - 1)) * a.d;
   }
   float acc[4][8] = {};
-  if (a.vec) {
-    for (int j = lane * 4; j < a.d; j += 128) {
-      float4 w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = Load4(wp[i] + j);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float4 h = Load4(hp[q] + j);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[i][q] = fmaf(w[i].x, h.x, fmaf(w[i].y, h.y, fmaf(w[i].z, h.z, fmaf(w[i].w, h.w, acc[i][q]))));
-        }
-      }
-    }
-  } else {
-    for (int j = lane; j < a.d; j += 32) {
-      float w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = ToFloat(wp[i][j]);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float h = ToFloat(hp[q][j]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i][q] = fmaf(w[i], h, acc[i][q]);
-      }
-    }
-  }
+  RowDots4x8<W>(wp, hp, a.d, a.vec, lane, acc);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -748,6 +724,13 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   return Status::kOk;
 }
 
+// The head's launcher for one (logits, weights) dtype pair.
+template <class T, class W>
+Status LaunchHead(const MarkovSampleParams& p, cudaStream_t stream) {
+  return p.head == MarkovHead::kSelector ? MarkovSelectLaunch<T, W>(p, stream)
+                                         : MarkovLaunch<T, W>(p, stream);
+}
+
 }  // namespace
 }  // namespace dspark::cuda
 
@@ -762,7 +745,8 @@ Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream) {
     return Status::kBadArgument;
   }
   if (p.head == MarkovHead::kRnn) return Status::kUnsupported;  // the ops door routes rnn to the reference
-  if (p.head != MarkovHead::kNone && p.head != MarkovHead::kVanilla && p.head != MarkovHead::kGated) {
+  if (p.head != MarkovHead::kNone && p.head != MarkovHead::kVanilla && p.head != MarkovHead::kGated &&
+      p.head != MarkovHead::kSelector) {
     return Status::kBadArgument;
   }
   if (p.dtype != DType::kFloat64 && p.out_dtype != DType::kFloat32) return Status::kBadArgument;
@@ -776,18 +760,23 @@ Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream) {
   if (need_e && p.rank > kMaxRank) return Status::kUnsupported;
   if (has_bias && !p.w2) return Status::kBadArgument;
   if (p.head == MarkovHead::kGated && (!p.gate_w || !p.gate_b || !p.hidden)) return Status::kBadArgument;
+  if (p.head == MarkovHead::kSelector) {
+    // gate_w [rank, d] and hidden are read only when d > 0 (an empty tensor may have no pointer)
+    if (p.top_k < 1 || p.top_k > p.V || (p.d > 0 && (!p.gate_w || !p.hidden))) return Status::kBadArgument;
+    if (p.top_k > kSelectMaxTopK || p.rank > kSelectMaxRank) return Status::kUnsupported;
+  }
   if (p.confidence && (!p.conf_w || !p.conf_b || !p.hidden)) return Status::kBadArgument;
   const cudaStream_t stream_ = AsStream(stream);
   DeviceGuard guard(stream_);
   if (p.weight_dtype == p.dtype) {
-    DSPARK_DISPATCH_FLOAT(p.dtype, return MarkovLaunch<scalar_t, scalar_t>(p, stream_););
+    DSPARK_DISPATCH_FLOAT(p.dtype, return LaunchHead<scalar_t, scalar_t>(p, stream_););
   }
   // A bf16/fp16 model's head under float32 logits: weights in 16 bits (tensor cores), z in float.
   if (p.dtype == DType::kFloat32 && p.weight_dtype == DType::kBFloat16) {
-    return MarkovLaunch<float, __nv_bfloat16>(p, stream_);
+    return LaunchHead<float, __nv_bfloat16>(p, stream_);
   }
   if (p.dtype == DType::kFloat32 && p.weight_dtype == DType::kFloat16) {
-    return MarkovLaunch<float, __half>(p, stream_);
+    return LaunchHead<float, __half>(p, stream_);
   }
   return Status::kUnsupported;
 }

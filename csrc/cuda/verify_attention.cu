@@ -19,6 +19,9 @@
 // allocation of its own. Unplanned calls plan into stream-ordered scratch.
 // Other head dims and float32 take AttnSimtKernel, a plain CUDA-core kernel (a warp per query
 // and head) meant for correctness, not speed.
+// Sliding window (p.window > 0): both paths mask keys outside each row's window and start at the
+// first KV tile (key, on the CUDA-core path) any row of the item sees, so tiles wholly before
+// the window are never loaded; the plan and the splits cover only that visible key range.
 //
 // NOTE: keys at or beyond a request's kv_len are never read (zero-filled instead), so pages or
 // slots the request does not own may hold anything, NaN included.
@@ -31,9 +34,9 @@
 // Batch invariance: the split-KV factor depends on the whole batch (step 1), so a request's
 // 16-bit result can move by an ulp when other requests join. p.batch_invariant never splits:
 // a row then accumulates its keys tile by tile in one fixed order, whatever the batch and the
-// chain length (fully masked tiles change nothing), at the cost of fewer blocks for long
-// contexts at small batch. (A fixed split size would also do, but its partial slots depend on
-// the device's kv_lens, which the host-sized plan buffers cannot bound.)
+// chain length (fully masked tiles, and those a window skips, change nothing), at the cost of
+// fewer blocks for long contexts at small batch. (A fixed split size would also do, but its
+// partial slots depend on the device's kv_lens, which the host-sized plan buffers cannot bound.)
 #include "verify_attention.h"
 
 #include <algorithm>
@@ -65,6 +68,7 @@ struct AttnArgs {
   int* slot_off;    // [R + 1] first partial slot of each request
   int* merge_off;   // [R + 1] first merge unit of each request
   int R, h_q, h_kv, group, head_dim, page_size, max_pages, num_pages;
+  int window;  // > 0: sliding window (p.window clamped to int: a wider one masks nothing more)
   bool causal;
   bool batch_invariant;  // no split-KV: results independent of the rest of the batch
   float scale_log2;  // scale * log2(e)
@@ -83,6 +87,33 @@ __device__ __forceinline__ ReqInfo LoadReq(const AttnArgs& a, int r) {
   ri.rows = ri.n * a.group;
   ri.mtiles = ri.n > 0 ? (ri.rows + kBlockM - 1) / kBlockM : 0;
   return ri;
+}
+
+// Visible keys of the query at position pos: [KeyLo, KeyHi) (reference.verify_attention). Both are
+// non-decreasing in pos, so a run of queries sees [KeyLo(first), KeyHi(last)). No overflow: pos
+// - window + 1 only when pos >= window, pos + window only when it is below L.
+__device__ __forceinline__ int KeyLo(const AttnArgs& a, int pos) {
+  return a.window > 0 && pos >= a.window ? pos - a.window + 1 : 0;
+}
+__device__ __forceinline__ int KeyHi(const AttnArgs& a, int L, int pos) {
+  if (a.causal) return min(L, pos + 1);
+  return a.window > 0 && L - pos > a.window ? pos + a.window : L;
+}
+
+// KV tiles the plan prices for each (request, KV head, query tile) unit of request ri: those of
+// the request's visible range [KeyLo(L - n), L); with a window, capped by what one query tile can
+// span (at most ceil(63 / group) + 1 queries, each window keys back, also forward when
+// bidirectional, plus a tile of misalignment). Only a work estimate: the run splits each item's
+// own tile range into split[r] pieces, whatever this returns.
+__device__ __forceinline__ int PlanTiles(const AttnArgs& a, const ReqInfo& ri) {
+  const int lo = KeyLo(a, ri.L - ri.n);  // 0 without a window: ceil(L / 64) tiles, as ever
+  long long tiles = (ri.L + kBlockN - 1ll) / kBlockN - lo / kBlockN;
+  if (a.window > 0) {
+    const long long span = (kBlockM - 2 + a.group) / a.group;  // query positions minus 1
+    const long long keys = span + static_cast<long long>(a.causal ? 1 : 2) * a.window;
+    tiles = std::min(tiles, (keys + kBlockN - 1) / kBlockN + 1);
+  }
+  return static_cast<int>(std::max(tiles, 0ll));
 }
 
 // Last r with off[r] <= x (off non-decreasing, off[0] = 0 <= x < off[R]).
@@ -149,7 +180,7 @@ __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ct
     const ReqInfo ri = LoadReq(a, r);
     const long long units = static_cast<long long>(a.h_kv) * ri.mtiles;
     U += units;
-    W += units * ((ri.L + kBlockN - 1) / kBlockN);
+    W += units * PlanTiles(a, ri);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -181,7 +212,7 @@ __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ct
     int items = 0, slots = 0, merges = 0, S = 1;
     if (r < a.R) {
       const ReqInfo ri = LoadReq(a, r);
-      const int tiles = (ri.L + kBlockN - 1) / kBlockN;
+      const int tiles = PlanTiles(a, ri);
       if (chunk != 0x7fffffff) S = max(1, (tiles + chunk - 1) / chunk);
       items = a.h_kv * ri.mtiles * S;
       slots = S > 1 ? items : 0;
@@ -264,11 +295,15 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
     const int s = rest % S, h = rest / S;
     const int row0 = mt * kBlockM;
     const int rows_here = min(kBlockM, ri.rows - row0);
-    const int i_max = (row0 + rows_here - 1) / a.group;
-    const int kv_end = a.causal ? min(ri.L, ri.L - ri.n + i_max + 1) : ri.L;
-    const int tiles = (kv_end + kBlockN - 1) / kBlockN;
-    const int tb = static_cast<int>(static_cast<int64_t>(s) * tiles / S);
-    const int te = static_cast<int>(static_cast<int64_t>(s + 1) * tiles / S);
+    const int i_min = row0 / a.group, i_max = (row0 + rows_here - 1) / a.group;
+    // The item's visible keys [kv_begin, kv_end); its tiles t_first .. t_end - 1 (those wholly
+    // before kv_begin are skipped, not loaded) are cut into S near-equal splits.
+    const int kv_begin = KeyLo(a, ri.L - ri.n + i_min);
+    const int kv_end = KeyHi(a, ri.L, ri.L - ri.n + i_max);
+    const int t_first = kv_begin / kBlockN;
+    const int tiles = max(0, (kv_end + kBlockN - 1) / kBlockN - t_first);
+    const int tb = t_first + static_cast<int>(static_cast<int64_t>(s) * tiles / S);
+    const int te = t_first + static_cast<int>(static_cast<int64_t>(s + 1) * tiles / S);
     const int key_hi = min(te * kBlockN, kv_end);
 
     // Also the barrier after which the previous item is done with every tile.
@@ -292,12 +327,16 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
     if (tb < te) LoadKvTile<T, HD>(a, sk(0), sv(0), r, h, tb * kBlockN, key_hi);
     CpAsyncCommit();
 
-    // Rows of this thread: p0 = warp * 16 + g and p0 + 8; their query positions (causal mask).
+    // Rows of this thread: p0 = warp * 16 + g and p0 + 8; their visible keys [lo, hi) (causal
+    // mask, window). The warp's tightest edges tell whether a tile needs the mask at all.
     const int p0 = warp * 16 + g;
     const bool warp_active = warp * 16 < rows_here;
     const int qpos0 = ri.L - ri.n + (row0 + p0) / a.group;
     const int qpos1 = ri.L - ri.n + (row0 + p0 + 8) / a.group;
-    const int qpos_min_warp = ri.L - ri.n + (row0 + warp * 16) / a.group;
+    const int lo0 = KeyLo(a, qpos0), hi0 = KeyHi(a, ri.L, qpos0);
+    const int lo1 = KeyLo(a, qpos1), hi1 = KeyHi(a, ri.L, qpos1);
+    const int hi_min_warp = KeyHi(a, ri.L, ri.L - ri.n + (row0 + warp * 16) / a.group);
+    const int lo_max_warp = KeyLo(a, ri.L - ri.n + (row0 + min(warp * 16 + 15, rows_here - 1)) / a.group);
     float m0 = -kInfF, m1 = -kInfF, l0 = 0.f, l1 = 0.f;
     float o[kDTiles][4];
 #pragma unroll
@@ -333,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
           }
         }
         // ---- scale, mask, online softmax (exp2 domain) ----
-        const bool need_mask = kb + kBlockN > key_hi || (a.causal && kb + kBlockN - 1 > qpos_min_warp);
+        const bool need_mask = kb + kBlockN > min(key_hi, hi_min_warp) || kb < lo_max_warp;
         float mx0 = -kInfF, mx1 = -kInfF;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
@@ -342,8 +381,8 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
             float v = acc[nt][e] * a.scale_log2;
             if (need_mask) {
               const int key = kb + nt * 8 + 2 * t + (e & 1);
-              const int qpos = e < 2 ? qpos0 : qpos1;
-              if (key >= key_hi || (a.causal && key > qpos)) v = -kInfF;
+              const int lo = e < 2 ? lo0 : lo1, hi = e < 2 ? hi0 : hi1;
+              if (key >= key_hi || key >= hi || key < lo) v = -kInfF;
             }
             acc[nt][e] = v;
           }
@@ -507,9 +546,10 @@ __global__ void __launch_bounds__(kThreads) AttnSimtKernel(AttnArgs a) {
     const T* qrow = qg + (static_cast<int64_t>(ri.q0 + i) * a.h_q + hq) * HD;
     for (int d = lane; d < HD; d += 32) qs[warp][d] = ToFloat(qrow[d]) * scale;
     __syncwarp();
-    const int kv_end = a.causal ? ri.L - ri.n + i + 1 : ri.L;
+    const int pos = ri.L - ri.n + i;
+    const int kv_begin = KeyLo(a, pos), kv_end = KeyHi(a, ri.L, pos);  // keys before are never read
     float m = -kInfF, l = 0.f, o[kSimtMaxHd / 32] = {};
-    for (int kb = 0; kb < kv_end; kb += 32) {
+    for (int kb = kv_begin; kb < kv_end; kb += 32) {
       const int key = kb + lane;
       const bool valid = key < kv_end;
       int64_t off = 0;
@@ -614,6 +654,7 @@ AttnArgs MakeArgs(const VerifyAttentionParams& p) {
   a.page_size = static_cast<int>(p.page_size);
   a.max_pages = static_cast<int>(p.max_pages);
   a.num_pages = static_cast<int>(std::min<int64_t>(p.num_pages, 0x7fffffff));
+  a.window = static_cast<int>(std::min<int64_t>(p.window, 0x7fffffff));
   a.causal = p.causal;
   a.batch_invariant = p.batch_invariant;
   a.scale_log2 = p.scale * kLog2e;
@@ -689,7 +730,7 @@ Status Plan(const VerifyAttentionParams& p, cudaStream_t stream) {
 // Sizes every launcher accepts (they keep 32-bit indices in the kernels).
 Status CheckSizes(const VerifyAttentionParams& p) {
   if (p.R < 0 || p.h_q < 1 || p.h_kv < 1 || p.h_q % p.h_kv != 0 || p.head_dim < 1 || p.page_size < 1 ||
-      p.num_pages < 0 || p.max_pages < 0) {
+      p.num_pages < 0 || p.max_pages < 0 || p.window < 0) {
     return Status::kBadArgument;
   }
   if (p.R >= (1ll << 24) || p.h_q * p.head_dim > (1ll << 24) || p.page_size > (1ll << 24) ||

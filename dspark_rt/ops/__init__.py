@@ -102,6 +102,9 @@ def _markov_backend(device: torch.device, backend, dtype, head, weight_dtype=Non
     return be
 
 
+_CUDA_SELECT_MAX_TOP_K = 256  # csrc/cuda/markov_select.cuh kSelectMaxTopK
+
+
 def _coupled(op, coupled, R, dev):
     """The optional per-request coupled flags [R] (bool or uint8; None: all false)."""
     if coupled is None:
@@ -136,8 +139,11 @@ def _ptr(t):
 
 def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None, gate_b=None,
                   joint_w=None, joint_b=None, conf_w=None, conf_b=None, temperature, seed,
-                  stream, round_, coupled=None, backend=None):
+                  stream, round_, coupled=None, top_k=None, backend=None):
     """Sequential drafting stage; see reference.markov_sample for the semantics.
+
+    head "selector" (DFlash2's candidate selector) takes gate_w [rank, d] (no gate_b) and top_k,
+    an int >= 1 (above V it means the whole vocabulary).
 
     Dtypes: logits (float32, float64, or 16-bit on CUDA) set the compute dtype; hidden and every
     head weight share the weight dtype, the logits' or a 16-bit type under float32 logits (a
@@ -180,6 +186,15 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
             fail(op, f"w1 must have a Markov rank >= 1 (shape [V, rank]), got {tuple(w1.shape)}")
         w1 = tensor(op, "w1", w1, shape=(V, rank))
         w2 = tensor(op, "w2", w2, dtype=wdt, shape=(V, rank), device=dev)
+    if head == "selector":
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            fail(op, f"head 'selector' needs top_k, an int >= 1, got {top_k!r}")
+        top_k = min(top_k, V)
+        gate_w = tensor(op, "gate_w", gate_w, dtype=wdt, shape=(rank, d), device=dev)
+        if be == "cuda" and backend is None and top_k > _CUDA_SELECT_MAX_TOP_K:
+            be = "reference"  # the kernel keeps its candidate lists in registers
+    elif top_k is not None:
+        fail(op, f"top_k is only for head 'selector', got top_k={top_k!r} with head {head!r}")
     if head == "gated":
         gate_w = tensor(op, "gate_w", gate_w, dtype=wdt, shape=(rank, d + rank), device=dev)
         gate_b = tensor(op, "gate_b", gate_b, dtype=wdt, shape=(rank,), device=dev)
@@ -202,14 +217,14 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     if be == "reference":
         return reference.markov_sample(logits, hidden, anchor, head, w1, w2, gate_w, gate_b,
                                        joint_w, joint_b, conf_w, conf_b, temperature, seed,
-                                       stream, round_, coupled)
+                                       stream, round_, coupled, top_k)
     out_dt = torch.float64 if fdt == torch.float64 else torch.float32
     tokens = torch.empty(R, gamma, dtype=torch.int64, device=dev)
     logprob, lse = torch.empty(R, gamma, dtype=out_dt, device=dev), torch.empty(R, gamma, dtype=out_dt, device=dev)
     conf = torch.zeros(R, gamma, dtype=out_dt, device=dev)
     p = _C.MarkovSampleParams()
     p.R, p.gamma, p.V, p.rank, p.d = R, gamma, V, rank, d
-    p.head = HEADS.index(head)
+    p.head, p.top_k = HEADS.index(head), top_k or 0
     p.confidence, p.confidence_markov = conf_w is not None, conf_markov
     p.dtype, p.weight_dtype, p.out_dtype = _DTYPE_CODE[fdt], _DTYPE_CODE[wdt], _DTYPE_CODE[out_dt]
     p.logits, p.hidden, p.anchor = _ptr(logits), _ptr(hidden), _ptr(anchor)
@@ -318,6 +333,7 @@ class VerifyAttentionPlan:
     k_shape: tuple   # k_cache.shape: num_pages, page_size, h_kv, head_dim
     dtype: torch.dtype
     causal: bool
+    window: int = 0
     work: torch.Tensor | None = None      # int32 [4 (R + 1)] item_off | split | slot_off | merge_off
     part_o: torch.Tensor | None = None    # float32 [slots, 64, head_dim]
     part_lse: torch.Tensor | None = None  # float32 [slots, 64]
@@ -348,12 +364,18 @@ def _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, N, dev):
     return cu_q, kv_lens, block_tables
 
 
-def _attention_params(R, h_q, k_cache, dtype, causal):
+def _window(op, window) -> int:
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        fail(op, f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    return window
+
+
+def _attention_params(R, h_q, k_cache, dtype, causal, window=0):
     num_pages, page_size, h_kv, hd = k_cache.shape
     p = _C.VerifyAttentionParams()
     p.R, p.h_q, p.h_kv, p.head_dim = R, h_q, h_kv, hd
     p.page_size, p.num_pages = page_size, num_pages
-    p.dtype, p.causal = _DTYPE_CODE[dtype], bool(causal)
+    p.dtype, p.causal, p.window = _DTYPE_CODE[dtype], bool(causal), window
     p.batch_invariant = _batch_invariant()
     return p
 
@@ -364,7 +386,8 @@ def _batch_invariant():
     return os.environ.get("DSPARK_ATTN_BATCH_INVARIANT", "0") not in ("", "0")
 
 
-def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=True, backend=None):
+def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=True, window=0,
+                          backend=None):
     """Plans verify_attention for a batch once per forward; pass the plan to every layer's
     verify_attention(..., plan=plan). cu_q [R + 1], kv_lens [R], block_tables [R, max_pages]
     int32 as for verify_attention; k_cache [num_pages, page_size, h_kv, head_dim] any layer's
@@ -380,12 +403,13 @@ def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=T
     h_kv = k_cache.shape[2]
     if not isinstance(h_q, int) or h_kv == 0 or h_q < 1 or h_q % h_kv:
         fail(op, f"h_q={h_q!r} must be a positive multiple of h_kv={h_kv}")
+    window = _window(op, window)
     cu_q, kv_lens, block_tables = _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, None, dev)
     plan = dict(backend=be, cu_q=cu_q, kv_lens=kv_lens, block_tables=block_tables, h_q=h_q,
-                k_shape=tuple(k_cache.shape), dtype=fdt, causal=bool(causal))
+                k_shape=tuple(k_cache.shape), dtype=fdt, causal=bool(causal), window=window)
     if be == "cuda":
         R, hd = cu_q.shape[0] - 1, k_cache.shape[3]
-        p = _attention_params(R, h_q, k_cache, fdt, causal)
+        p = _attention_params(R, h_q, k_cache, fdt, causal, window)
         p.max_pages = block_tables.shape[1]
         p.cu_q, p.kv_lens = _ptr(cu_q), _ptr(kv_lens)
         stream = torch.cuda.current_stream(dev).cuda_stream
@@ -400,7 +424,7 @@ def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=T
     return VerifyAttentionPlan(**plan)
 
 
-def _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal):
+def _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal, window):
     if not isinstance(plan, VerifyAttentionPlan):
         fail(op, f"plan must come from plan_verify_attention, got {type(plan).__name__}")
     same = lambda a, b: a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.device == b.device
@@ -409,15 +433,15 @@ def _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal)
         if not same(a, b):
             fail(op, f"plan was made for another {name} tensor (plan once per forward, from the "
                      f"metadata every layer passes)")
-    got = (be, h_q, tuple(k_cache.shape), k_cache.dtype, bool(causal))
-    want = (plan.backend, plan.h_q, plan.k_shape, plan.dtype, plan.causal)
+    got = (be, h_q, tuple(k_cache.shape), k_cache.dtype, bool(causal), window)
+    want = (plan.backend, plan.h_q, plan.k_shape, plan.dtype, plan.causal, plan.window)
     if got != want:
-        fail(op, f"plan was made for (backend, h_q, k_cache shape, dtype, causal) = {want}, "
+        fail(op, f"plan was made for (backend, h_q, k_cache shape, dtype, causal, window) = {want}, "
                  f"this call has {got}")
 
 
 def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal=True,
-                     scale=None, plan=None, out=None, backend=None):
+                     window=0, scale=None, plan=None, out=None, backend=None):
     """Ragged paged attention; see reference.verify_attention. Returns [N, h_q, head_dim].
     Rows cu_q[R] .. N-1 belong to no request (the padding of a CUDA-graph bucket): no backend
     reads them, and their output is unspecified (the reference writes zeros, the kernels leave
@@ -430,7 +454,7 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     long contexts at small batch). The CPU kernel is batch-invariant.
     plan: plan_verify_attention's for this batch (None: the call plans itself; same result).
     out: a contiguous [N, h_q, head_dim] tensor of q's dtype to write (and return) instead of a
-    new one."""
+    new one. window > 0: a sliding layer's window (see the reference)."""
     op = "verify_attention"
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         fail(op, "q must be a [N, h_q, head_dim] tensor")
@@ -438,6 +462,7 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     fdt = q.dtype
     be = plan.backend if isinstance(plan, VerifyAttentionPlan) and backend is None else backend
     be = _backend(op, dev, be, fdt, "q")
+    window = _window(op, window)
     q = q.contiguous()
     N, h_q, hd = q.shape
     if hd < 1:
@@ -451,7 +476,7 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     if plan is None:
         cu_q, kv_lens, block_tables = _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, N, dev)
     else:  # checked when planned
-        _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal)
+        _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal, window)
         cu_q, kv_lens, block_tables = plan.cu_q, plan.kv_lens, plan.block_tables
         if dev.type == "cpu" and cu_q.shape[0] > 1 and int(cu_q[-1]) > N:
             fail(op, f"cu_q must end at most at N={N}, got {int(cu_q[-1])}")
@@ -465,10 +490,10 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     scale = float(hd ** -0.5 if scale is None else scale)
     if be == "reference":
         res = reference.verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens,
-                                         causal, scale)
+                                         causal, scale, window)
         return res if out is None else out.copy_(res)
     out = torch.empty_like(q) if out is None else out
-    p = _attention_params(R, h_q, k_cache, fdt, causal)
+    p = _attention_params(R, h_q, k_cache, fdt, causal, window)
     p.max_pages, p.scale = max_pages, scale
     p.q, p.cu_q, p.k_cache, p.v_cache = _ptr(q), _ptr(cu_q), _ptr(k_cache), _ptr(v_cache)
     p.block_tables, p.kv_lens, p.out = _ptr(block_tables), _ptr(kv_lens), _ptr(out)

@@ -11,7 +11,7 @@ import torch
 
 from . import philox
 
-HEADS = ("none", "vanilla", "gated", "rnn")
+HEADS = ("none", "vanilla", "gated", "rnn", "selector")
 
 
 def _first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -25,11 +25,12 @@ def _first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, gate_b=None,
                   joint_w=None, joint_b=None, conf_w=None, conf_b=None,
-                  temperature=None, seed=None, stream=None, round_=None, coupled=None):
+                  temperature=None, seed=None, stream=None, round_=None, coupled=None, top_k=None):
     """Sequential drafting stage for R requests (DESIGN §2 steps 2-3).
 
     logits [R, gamma, V] base logits U (overwritten with z = U + bias); hidden [R, gamma, d];
-    anchor [R] int64 x0; head in HEADS; w1, w2 [V, r]; gate_w [r, d + r], gate_b [r];
+    anchor [R] int64 x0; head in HEADS; w1, w2 [V, r]; gate_w [r, d + r], gate_b [r]
+    (selector: gate_w [r, d], no gate_b; top_k the candidates per step, 1 <= top_k <= V);
     joint_w [3r, 2r + d], joint_b [3r]; conf_w [d] or [d + r], conf_b [1] (None: no confidence
     head); temperature [R] float32 (0 = greedy); seed [R] int64 (uint64 bits); stream, round_ [R]
     int64; coupled [R] bool or uint8 (None: all false).
@@ -46,6 +47,10 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
         gated:   g = sigmoid(gate_w @ [h_k; e] + gate_b); bias = w2 @ (g * e)
         rnn:     a = joint_w @ [s; e; h_k] + joint_b split (gate, cand, out) in r-sized thirds;
                  s <- sigmoid(gate) * s + (1 - sigmoid(gate)) * tanh(cand); bias = w2 @ tanh(out)
+        selector (DFlash2's candidate selector, models/dflash2.py): C_k = the top_k indices of
+                 U_k (NaN ranks as -inf, equal values: the lower index first); g = gate_w @ h_k;
+                 bias = w2 @ (g * e) on C_k, and z_k = -inf outside C_k, so q_k is the
+                 proposal's softmax over the candidates and zero elsewhere
         z_k = U_k + bias; greedy: x_k = argmax z_k; else x_k = argmax(z_k / T + gumbel) with the
         gumbel of (seed, stream, round, purpose draft, position k, index v); for a coupled
         request (round_ = n0, tokens emitted so far) the gumbel of output index n0 + k:
@@ -86,6 +91,13 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
         elif head == "gated":
             g = torch.sigmoid(torch.cat([h, e], -1) @ gate_w.T + gate_b)
             bias = project(g * e)
+        elif head == "selector":
+            cand = _top_k(logits[:, k], top_k)
+            u = (h @ gate_w.T) * e
+            bias = (w2[cand] @ u.to(W).to(C)[:, :, None])[..., 0]  # [R, top_k]: on C_k only
+            z = torch.full_like(logits[:, k], -math.inf)
+            logits[:, k] = z.scatter_(1, cand, logits[:, k].gather(1, cand) + bias)
+            bias = None
         elif head == "rnn":
             a = torch.cat([state, e, h], -1) @ joint_w.T + joint_b
             ga, ca, oa = a.split(rank, dim=-1)
@@ -112,6 +124,13 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
             conf[:, k] = (inp @ conf_w + conf_b).to(out_dtype)
         prev = x
     return tokens, logprob, lse, conf
+
+
+def _top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of each row (NaN ranks as -inf; among equal values the
+    lower index first), ordered by rank."""
+    key = torch.nan_to_num(x.to(torch.float64), nan=-math.inf)
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def _coupled(coupled, R, dev) -> torch.Tensor:
@@ -213,7 +232,8 @@ def prefix_topk(survival, K: int):
     return admitted.to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)
 
 
-def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: bool, scale: float):
+def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: bool, scale: float,
+                     window: int = 0):
     """Ragged attention over a paged KV cache (DESIGN §5).
 
     q [N, h_q, head_dim]; request r owns rows cu_q[r] .. cu_q[r+1]-1 (int32 [R+1], n_r >= 0);
@@ -222,7 +242,9 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: b
     kv_lens [R] int32: keys of request r, its own chain included (n_r <= kv_len_r). Key l of
     request r lives at page block_tables[r, l // page_size], slot l % page_size. Query head h reads
     KV head h // (h_q / h_kv). Causal: chain entry i sits at position kv_len - n + i and sees keys
-    0 .. kv_len - n + i; bidirectional: sees all kv_len keys. softmax(scale * q.k) @ v, formed in
+    0 .. kv_len - n + i; bidirectional: sees all kv_len keys. window > 0 (sliding layers, as
+    z-lab's DFlash models mask them): also only keys j with p - j < window and, bidirectional,
+    j - p < window, p = kv_len - n + i the entry's position. softmax(scale * q.k) @ v, formed in
     float64 for float64 inputs and float32 otherwise. Returns out [N, h_q, head_dim] in q's dtype.
     A request whose used block-table entries (the first ceil(kv_len / page_size)) are not all
     page ids in [0, num_pages), or are more than max_pages, gets NaN in all its rows: bad metadata
@@ -246,10 +268,15 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: b
         k = k_cache[pages].reshape(-1, h_kv, hd)[:L].to(acc).repeat_interleave(group, dim=1)
         v = v_cache[pages].reshape(-1, h_kv, hd)[:L].to(acc).repeat_interleave(group, dim=1)
         s = torch.einsum("nhd,lhd->hnl", q[lo:hi].to(acc), k) * scale
+        qpos = torch.arange(n, device=q.device)[:, None] + (L - n)
+        kpos = torch.arange(L, device=q.device)[None, :]
         if causal:
-            qpos = torch.arange(n, device=q.device)[:, None] + (L - n)
-            kpos = torch.arange(L, device=q.device)[None, :]
             s = s.masked_fill(kpos > qpos, -math.inf)
+        if window > 0:
+            far = qpos - kpos >= window
+            if not causal:
+                far = far | (kpos - qpos >= window)
+            s = s.masked_fill(far, -math.inf)
         out[lo:hi] = torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=-1), v).to(q.dtype)
     return out
 

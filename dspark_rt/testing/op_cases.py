@@ -118,7 +118,9 @@ class MarkovCase:
     R: int
     gamma: int
     V: int
-    head: str = "vanilla"      # none | vanilla | gated | rnn
+    head: str = "vanilla"      # none | vanilla | gated | rnn | selector
+    top_k: int = 0             # selector: candidates per step
+    ties: bool = False         # logits on a grid of halves: many exact ties (the top-k rule)
     rank: int = 16
     d: int = 32
     conf: str = "none"         # none | plain (w . h_k) | markov (w . [h_k; W1[x_{k-1}]])
@@ -142,6 +144,13 @@ MARKOV_CASES = [
     MarkovCase(3, 5, 517, "gated", conf="markov", temps="sampled", coupled="all"),
     MarkovCase(4, 3, 1030, "rnn", rank=8, d=16, temps="sampled", coupled="mixed"),
     MarkovCase(5, 2, 2049, "none", temps="sampled", coupled="mixed", noncontig=True),
+    MarkovCase(1, 1, 1, "selector", rank=4, d=8, top_k=1, temps="sampled"),
+    MarkovCase(3, 6, 37, "selector", rank=8, d=16, top_k=37, temps="mixed"),  # top_k = V
+    MarkovCase(4, 7, 1000, "selector", rank=16, d=32, top_k=16, temps="mixed", ties=True),
+    MarkovCase(2, 5, 5003, "selector", rank=64, d=48, top_k=6, conf="markov", temps="sampled",
+               coupled="mixed", noncontig=True),
+    MarkovCase(5, 3, 517, "selector", rank=8, d=24, top_k=40, conf="plain", temps="greedy",
+               ties=True),
 ]
 
 
@@ -154,19 +163,26 @@ def markov_inputs(case: MarkovCase, device="cpu", dtype=torch.float32, key=0,
     w1 = rd.randn(V, r) if uses_w else None
     w2 = rd.randn(V, r, scale=1.5 / math.sqrt(r)) if uses_w else None
     gated, rnn, conf = case.head == "gated", case.head == "rnn", case.conf != "none"
+    selector = case.head == "selector"
     conf_dim = d + r if case.conf == "markov" else d
     f = lambda t: strided(_to(t, device, dtype)) if case.noncontig else _to(t, device, dtype)
     seed, stream, round_ = _keys(rd, R)
     coupled = _coupled(R, case.coupled)
     extra = {} if coupled is None else {"coupled": coupled.to(device)}
+    if selector:
+        extra["top_k"] = case.top_k
+    logits = rd.randn(R, G, V, scale=2.0)
+    if case.ties:
+        logits = (logits * 2).round() / 2
     return dict(
         **extra,
-        logits=_to(rd.randn(R, G, V, scale=2.0), device, dtype),  # written in place: contiguous
+        logits=_to(logits, device, dtype),  # written in place: contiguous
         hidden=f(rd.randn(R, G, d)),
         anchor=rd.randint(0, V, (R,)).to(device),
         head=case.head,
         w1=f(w1), w2=f(w2),
-        gate_w=f(rd.randn(r, d + r, scale=1 / math.sqrt(d + r))) if gated else None,
+        gate_w=f(rd.randn(r, d + r, scale=1 / math.sqrt(d + r))) if gated else
+        f(rd.randn(r, d, scale=1 / math.sqrt(d))) if selector else None,
         gate_b=f(rd.randn(r)) if gated else None,
         joint_w=f(rd.randn(3 * r, 2 * r + d, scale=1 / math.sqrt(2 * r + d))) if rnn else None,
         joint_b=f(rd.randn(3 * r)) if rnn else None,
@@ -335,6 +351,7 @@ class AttentionCase:
     head_dim: int = 32
     page_size: int = 16
     causal: bool = True
+    window: int = 0          # > 0: a sliding layer's window
     extra_pages: int = 3     # NaN-filled pages no request owns (stale slots are NaN too)
     noncontig: bool = False  # q as a strided view (the door copies it)
 
@@ -352,6 +369,11 @@ ATTENTION_CASES = [
     AttentionCase((8, 4), (7, 63), 8, 2, 128, 16, noncontig=True),
     AttentionCase((2, 0, 7), (60, 3, 1), 6, 2, 24, 8, causal=False),
     AttentionCase((16,), (300,), 6, 3, 64, 64),
+    # sliding windows: binding for some rows only, narrower than the chain, a whole tile skipped
+    AttentionCase((8, 1, 5), (40, 2, 9), 4, 2, 32, 8, window=12),
+    AttentionCase((8, 8), (16, 200), 4, 1, 16, 16, causal=False, window=5),
+    AttentionCase((16, 3), (300, 70), 6, 3, 64, 64, window=64),
+    AttentionCase((7,), (500,), 2, 2, 8, 4, causal=False, window=1),
 ]
 
 
@@ -390,6 +412,6 @@ def attention_inputs(case: AttentionCase, device="cpu", dtype=torch.float32, key
         cu_q=cu_q.to(device),
         k_cache=k_cache, v_cache=v_cache,
         block_tables=tables.to(device), kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-        causal=case.causal, scale=scale,
+        causal=case.causal, scale=scale, **({"window": case.window} if case.window else {}),
     )
 
