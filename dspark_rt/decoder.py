@@ -17,6 +17,7 @@ from .checkpoint.tensors import resolve_dtype
 from .engine import EngineConfig
 from .engine.engine import Engine
 from .models.drafter import Drafter
+from .models.load import load_drafter
 from .models.qwen3 import Qwen3Model, pick_dtype
 from .outputs import RequestOutput
 from .policies import POLICIES, Calibration, OnlineCalibration, make_policy
@@ -193,7 +194,7 @@ class Decoder:
                 tp.shutdown()
                 raise
         tgt = Qwen3Model.from_pretrained(target, dtype=dt, device=device)
-        drf = Drafter.from_pretrained(drafter, tgt, dtype=tgt.dtype, device=device) if drafter else None
+        drf = load_drafter(drafter, tgt, dtype=tgt.dtype, device=device) if drafter else None
         shipped = cal is None and kwargs.get("calibration") is None and drf is not None and \
             getattr(drf, "sts_temperatures", None)
         if shipped:  # STS temperatures shipped inside the drafter's config

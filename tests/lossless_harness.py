@@ -46,6 +46,7 @@ def write_pair(root) -> dict:
     paths = {"target": str(root / "target")}
     testing.write_tiny_target(paths["target"], seed=3, vocab=V, hidden=32, layers=2, heads=2,
                               kv_heads=1, head_dim=16, logit_scale=4.0)
+    paths["selector"] = str(_dflash2(root, paths["target"]))
     for head in HEADS:
         paths[head] = str(root / head)
         testing.write_tiny_drafter(paths[head], paths["target"], head=head, layers=1,
@@ -55,6 +56,22 @@ def write_pair(root) -> dict:
         if head != "none":
             _sharpen(paths[head])
     return paths
+
+
+def _dflash2(root, target):
+    """A DFlash2 drafter (gamma 3) whose selector matters: its unary is capped, its candidates
+    are the top 4 of 8 (half the vocabulary is never drafted, so the residual must cover it),
+    and its codebooks give a strong order-one bias among them."""
+    from tests import packagings as pk
+    path = pk.dflash2(root / "dflash2_src", target, layers=1, block_size=4, rank=4, top_k=4,
+                      seed=11, output_multiplier=1.0, softcap=6.0, target_layer_ids=[0])
+    f = os.path.join(path, "model.safetensors")
+    w = load_file(f)
+    for name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+        w[name] *= 2.0
+    w["candidate_selector.hidden_projection.weight"] *= 4.0
+    save_file(w, f)
+    return path
 
 
 def _sharpen(path):
@@ -94,7 +111,7 @@ def exact_joint(target_path, T: float, top_k: int = 0, top_p: float = 1.0) -> np
 class Case:
     mode: str           # "dflash" | "dspark"
     policy: str         # "fixed" | "threshold" | "sync" | "async" | "auto"
-    head: str
+    head: str           # a HEADS entry, or "selector" (the DFlash2 drafter)
     T: float
     top_k: int = 0
     top_p: float = 1.0
@@ -256,6 +273,19 @@ def q_from_u(logits, hidden, anchor, head, **kw):
     return tokens, logprob, lse, conf
 
 
+def selector_q_unmasked(logits, hidden, anchor, head, **kw):
+    """DFlash2: the acceptance's q is the softmax of U + bias over the whole vocabulary, not
+    over the step's top-k candidates the draft was sampled from."""
+    U = logits.clone()
+    tokens, logprob, lse, conf = _real_markov(logits, hidden, anchor, head, **kw)
+    prev = torch.cat([anchor[:, None], tokens[:, :-1]], 1)
+    u = (hidden @ kw["gate_w"].T) * kw["w1"][prev]
+    logits.copy_(U + u @ kw["w2"].T)
+    T = kw["temperature"].double()
+    lse = torch.logsumexp(logits.double() / torch.where(T == 0, 1.0, T)[:, None, None], -1).to(lse.dtype)
+    return tokens, logprob, lse, conf
+
+
 def q_untempered(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw):
     """Acceptance uses q = softmax(z) while the draft was sampled from softmax(z / T)."""
     if draft_tokens is not None:
@@ -312,6 +342,9 @@ MUTANTS = [
            Case("dspark", "fixed", "vanilla", 1.0), ops_patch={"rejection_sample": emit_from_p}),
     Mutant("q-from-U", "acceptance sees the base logits U, not the head-corrected z",
            Case("dspark", "fixed", "gated", 1.0), ops_patch={"markov_sample": q_from_u}),
+    Mutant("selector-q-unmasked", "DFlash2: q over the whole vocabulary, not the candidates",
+           Case("dspark", "fixed", "selector", 1.0),
+           ops_patch={"markov_sample": selector_q_unmasked}),
     Mutant("q-untempered", "acceptance's q drops the temperature",
            Case("dspark", "fixed", "vanilla", 0.6), ops_patch={"rejection_sample": q_untempered}),
     Mutant("P-untempered", "verify rounds' P drops the temperature",

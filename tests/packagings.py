@@ -237,14 +237,15 @@ def interleaved(src, out) -> str:
 
 
 def dflash2(out, target_dir, *, layers=2, block_size=5, kernel_size=2, group_size=8, rank=8,
-            top_k=6, seed=0, output_multiplier=0.5, softcap=20.0) -> Path:
+            top_k=6, seed=0, output_multiplier=0.5, softcap=20.0, target_layer_ids=(-1, 1)) -> Path:
     """A random z-lab DFlash2DraftModel (z-lab/dflash tests/fixtures/dflash2-config.json and
     -safetensors-header.json): DFlash backbone plus attention_conv / mlp_conv per layer and a
     candidate_selector whose codebooks are stored without `.weight`; bidirectional
     (`is_causal: false`) sliding layers."""
     from dspark_rt import testing
     src = testing.write_tiny_dflash(Path(out) / "base", target_dir, layers=layers,
-                                    block_size=block_size, target_layer_ids=[-1, 1], seed=seed)
+                                    block_size=block_size, target_layer_ids=list(target_layer_ids),
+                                    seed=seed)
     cfg, t = read(src)
     d, V = cfg["hidden_size"], cfg["vocab_size"]
     g = torch.Generator().manual_seed(seed + 1)

@@ -47,6 +47,8 @@ CASES = [
     H.Case("dspark", "async", "gated", 0.6),
     H.Case("dspark", "async", "vanilla", 1.5, top_p=0.8),
     H.Case("dspark", "auto", "gated", 1.0, top_k=3),
+    H.Case("dspark", "fixed", "selector", 1.0),
+    H.Case("dspark", "fixed", "selector", 0.6, top_p=0.8),
 ]
 
 

@@ -260,19 +260,26 @@ def _load(path):
     return Drafter.from_pretrained(str(path), Qwen3Model.from_pretrained(TARGET, dtype="float32"))
 
 
-def test_dflash2_is_refused_by_name(tmp_path):
+def test_dflash2_loads_through_its_own_door(tmp_path):
+    """A DFlash2 config loads only as a DFlash2Drafter (models.load.load_drafter, what
+    Decoder.from_pretrained uses), and only in z-lab's packaging."""
     p = pk.zlab(DFLASH, tmp_path / "p")
     cfg = _cfg(p)
     cfg["architectures"] = ["DFlash2DraftModel"]
     cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=256,
                                 selector_top_k=16)
     (p / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"DFlash2DraftModel.*not served yet"):
+    with pytest.raises(CheckpointError, match=r"DFlash2DraftModel.*loads through models.load"):
         _load(p)
     cfg["architectures"] = ["DFlashDraftModel"]  # relabelled: the fields still say DFlash2
     (p / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"conv_kernel_size.*not served yet"):
+    with pytest.raises(CheckpointError, match=r"conv_kernel_size.*loads through models.load"):
         _load(p)
+    nested = cfg.pop("dflash_config")
+    flat = {**cfg, **nested, "speculators_model_type": "dflash2"}
+    (p / "config.json").write_text(json.dumps(flat))
+    with pytest.raises(CheckpointError, match=r"z-lab's packaging .* only"):
+        DrafterConfig.from_json(p, allow_dflash2=True)
 
 
 @pytest.mark.parametrize("edit,msg", [
@@ -301,10 +308,14 @@ def test_speculators_sliding_layers_need_their_causality(tmp_path):
     assert DrafterConfig.from_json(p).causal_layers == (True,)
 
 
-def test_binding_sliding_window_is_refused(tmp_path):
-    p = pk.zlab(DFLASH, tmp_path / "p", sliding_window=256)  # the target serves 512 positions
-    with pytest.raises(CheckpointError, match=r"field 'sliding_window' = 256 is below"):
-        _load(p)
+def test_binding_sliding_window_is_served(tmp_path, plain):
+    """A window that binds (8 positions; prompts are longer) is applied, not dropped: the
+    output stays exact and the acceptance moves away from the same drafter without a window
+    (the backbone's windowed attention is held to z-lab's mask in the DFlash2 test below)."""
+    wide = _signature(TARGET, pk.zlab(DFLASH, tmp_path / "wide", sliding_window=512))
+    narrow = _signature(TARGET, pk.zlab(DFLASH, tmp_path / "narrow", sliding_window=8))
+    assert [s[0] for s in narrow] == plain == [s[0] for s in wide]
+    assert [s[1:] for s in narrow] != [s[1:] for s in wide]
 
 
 def test_capped_logits_are_refused(tmp_path):
@@ -481,13 +492,14 @@ def test_speculators_layer_config_is_written_without_defaults(tmp_path):
     assert cfg.target_layer_ids == DrafterConfig.from_json(VANILLA).target_layer_ids
 
 
-# -- DFlash2: backbone and proposal against their reference (not served by the round yet) -------
+# -- DFlash2: backbone and proposal against their reference (tests/test_dflash2.py: served) --
 
-def _dflash2_dense(w, emb, c, feats, block_ids, n_ctx):
+def _dflash2_dense(w, emb, c, feats, block_ids, n_ctx, window=None):
     """z-lab DFlash2DraftModel.forward for one request, transcribed densely from
     dflash/model.py: context K/V from hidden_norm(fc(features)), every sublayer wrapped in the
-    grouped dynamic causal convolution over the block, bidirectional attention (is_causal false,
-    window not binding)."""
+    grouped dynamic causal convolution over the block, bidirectional attention (is_causal false)
+    masked as its _attention_mask does for a sliding window: query position p sees key position
+    j iff p - j < window and j - p < window."""
     dc = c["dflash_config"]
     d, hq, hkv, hd, eps, theta = (c["hidden_size"], c["num_attention_heads"],
                                   c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"],
@@ -533,7 +545,12 @@ def _dflash2_dense(w, emb, c, feats, block_ids, n_ctx):
                          p("self_attn.k_norm.weight")), torch.cat([cpos, bpos]))
             v = (src @ p("self_attn.v_proj.weight").T).view(-1, hkv, hd)
             k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-            a = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5, -1)
+            s = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+            if window is not None:
+                kp = torch.cat([cpos, bpos])
+                far = (bpos[:, None] - kp[None] >= window) | (kp[None] - bpos[:, None] >= window)
+                s = s.masked_fill(far, float("-inf"))
+            a = torch.softmax(s, -1)
             return torch.einsum("hqk,khd->qhd", a, v).reshape(B, hq * hd) @ p("self_attn.o_proj.weight").T
 
         def mlp(x):
@@ -557,13 +574,18 @@ def dflash2_pair(tmp_path_factory):
     return tdir, ddir, target, DFlash2Drafter.from_pretrained(str(ddir), target)
 
 
-def test_dflash2_backbone_matches_reference(dflash2_pair):
+@pytest.mark.parametrize("window", [None, 4])
+def test_dflash2_backbone_matches_reference(dflash2_pair, tmp_path, window):
+    """window 4 binds: 6 context positions and a block of 5, so every block position loses
+    context keys and the first ones lose block keys too."""
     from dspark_rt.models.batch import AttnMeta
+    from dspark_rt.models.dflash2 import DFlash2Drafter
     tdir, ddir, target, dr = dflash2_pair
     with pytest.raises(CheckpointError, match="DFlash2DraftModel"):
-        Drafter.from_pretrained(str(ddir), target)  # the runtime's loader refuses it by name
-    with pytest.raises(RuntimeError, match="not served by the round"):
-        dr.gamma
+        Drafter.from_pretrained(str(ddir), target)  # the plain drafter class refuses it by name
+    if window is not None:
+        ddir = pk.with_fields(ddir, tmp_path / "w", sliding_window=window)
+        dr = DFlash2Drafter.from_pretrained(str(ddir), target)
     c, w = pk.read(ddir)
     w = {k: v.double() for k, v in w.items()}
     emb = pk.read(tdir)[1]["model.embed_tokens.weight"].double()
@@ -587,7 +609,7 @@ def test_dflash2_backbone_matches_reference(dflash2_pair):
                     slot_mapping=torch.cat([slots(0, bpos), slots(1, bpos)]), causal=False)
     hidden = dr.forward_block(ids.reshape(-1), torch.cat([bpos, bpos]), meta, cache)
     for r in range(2):
-        want = _dflash2_dense(w, emb, c, feats[r], ids[r], n_ctx)
+        want = _dflash2_dense(w, emb, c, feats[r], ids[r], n_ctx, window)
         assert torch.allclose(hidden[r * B:(r + 1) * B], want, rtol=1e-10, atol=1e-12)
 
 

@@ -32,7 +32,8 @@ class DrafterConfig:
     draft_vocab_size: int | None = None  # reduced draft vocabulary (d2t offsets), else None
     sts_temperatures: tuple | None = None  # STS temperatures shipped in the config
     causal_layers: tuple = ()  # per drafter layer: causal inside the block (z-lab sliding layers)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # window of the sliding layers (None: no sliding layer)
+    window_layers: tuple = ()  # per drafter layer: attends within sliding_window
     rope_interleave: bool = False  # q/k rows rotate in consecutive pairs (permuted at load)
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
@@ -70,7 +71,8 @@ class DrafterConfig:
                   confidence=f.confidence, confidence_markov=f.confidence_markov,
                   block_layout=f.layout, draft_vocab_size=f.draft_vocab_size,
                   sts_temperatures=f.sts_temperatures, causal_layers=f.causal_layers,
-                  sliding_window=f.sliding_window, rope_interleave=f.rope_interleave,
+                  sliding_window=f.sliding_window, window_layers=f.window_layers,
+                  rope_interleave=f.rope_interleave,
                   input_embedding_scale=f.input_embedding_scale,
                   output_multiplier=f.output_multiplier, dflash2=f.dflash2)
         out._check_ranges(out.num_target_layers)
@@ -99,8 +101,3 @@ class DrafterConfig:
                 f"{self.source}: field 'num_target_layers' = {self.num_target_layers} does not match "
                 f"the target's num_hidden_layers = {target.num_hidden_layers} ({target.source})")
         self._check_ranges(target.num_hidden_layers)
-        if self.sliding_window is not None and self.sliding_window < target.max_position_embeddings:
-            raise CheckpointError(
-                f"{self.source}: field 'sliding_window' = {self.sliding_window} is below the "
-                f"target's max_position_embeddings = {target.max_position_embeddings}: the "
-                "window would bind, and windowed drafter attention is not served")

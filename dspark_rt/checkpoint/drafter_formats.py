@@ -50,8 +50,8 @@ Also read wherever they appear: `sts_temperatures` (per-position STS temperature
 config; TensorRT-LLM / ATOM spell the calibration key so), `rope_interleave` (q/k rotated in
 consecutive pairs; the loader permutes q/k rows to the half-split layout, which is exact),
 SGLang's nested `dspark_config` (python/sglang/srt/speculative/dspark_components/
-dspark_config.py). `DFlash2DraftModel` (candidate selector, dynamic convolution) parses to a
-"not yet served" error. Anything that cannot be served exactly is a CheckpointError naming the
+dspark_config.py). `DFlash2DraftModel` (candidate selector, dynamic convolution) parses in
+z-lab's packaging when the caller allows it (models/load.py; models/dflash2.py serves it). Anything that cannot be served exactly is a CheckpointError naming the
 field.
 """
 from dataclasses import dataclass
@@ -95,7 +95,8 @@ class Fields:
     draft_vocab_size: int | None = None  # None: the target's vocabulary
     sts_temperatures: tuple | None = None
     causal_layers: tuple = ()  # per drafter layer: causal inside the block
-    sliding_window: int | None = None  # binding window of sliding layers (checked vs the target)
+    sliding_window: int | None = None  # window of the sliding layers (None: no sliding layer)
+    window_layers: tuple = ()  # per drafter layer: a sliding layer (attends within the window)
     rope_interleave: bool = False
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
@@ -110,11 +111,17 @@ def _is_dflash2(d, archs, nested):
 def parse(d: dict, src: str, allow_dflash2: bool = False) -> Fields:
     archs = [str(a) for a in (d.get("architectures") or [])]
     nested = {k: d[k] for k in ("dflash_config", "dspark_config") if isinstance(d.get(k), dict)}
-    if _is_dflash2(d, archs, nested) and not (allow_dflash2 and "dflash_config" in nested):
-        raise CheckpointError(
-            f"{src}: field 'architectures' = {archs!r} / dflash_config "
-            f"{sorted(k for n in nested.values() for k in n if k in _DFLASH2_KEYS)}: a "
-            "DFlash2DraftModel drafter (candidate selector, dynamic convolution) is not served yet")
+    if _is_dflash2(d, archs, nested):
+        what = (f"{src}: field 'architectures' = {archs!r} / dflash_config "
+                f"{sorted(k for n in nested.values() for k in n if k in _DFLASH2_KEYS)}: a "
+                "DFlash2DraftModel drafter (candidate selector, dynamic convolution)")
+        if "dflash_config" not in nested:
+            raise CheckpointError(f"{what} is served in z-lab's packaging (fields nested in "
+                                  "dflash_config) only")
+        if not allow_dflash2:
+            raise CheckpointError(f"{what} loads through models.load.load_drafter (as "
+                                  "Decoder.from_pretrained does), on one process: tensor "
+                                  "parallelism does not serve it")
     foreign = [a for a in archs if any(f in a for f in _FOREIGN)]
     if foreign:
         raise CheckpointError(f"{src}: field 'architectures' = {archs!r} names a drafter family "
@@ -243,7 +250,7 @@ def _layout(get, src, default):
     return default
 
 
-def _finish(packaging, d, src, get, model, window, *, block, layout, ids, mask, n_target,
+def _finish(packaging, d, src, get, model, window, *, kinds, block, layout, ids, mask, n_target,
             heads, causal, draft_vocab=None, dflash2=None):
     rank, head, conf, conf_markov = heads
     if layout == "one_plus_n" and block < 2:
@@ -262,6 +269,7 @@ def _finish(packaging, d, src, get, model, window, *, block, layout, ids, mask, 
         markov_rank=rank, head=head, confidence=conf, confidence_markov=conf_markov,
         draft_vocab_size=None if draft_vocab in (None, model.vocab_size) else draft_vocab,
         sts_temperatures=_sts(get, src, gamma), causal_layers=tuple(causal), sliding_window=window,
+        window_layers=tuple(k == "sliding_attention" for k in kinds),
         rope_interleave=bool(get("rope_interleave", bool, required=False)),
         input_embedding_scale=get("input_embedding_scale", float, 1.0),
         output_multiplier=get("output_multiplier", float, 1.0), dflash2=dflash2)
@@ -274,7 +282,7 @@ def _deepspec(d, src):
     model, kinds, window = _layer_config(d, src, trust_layer_types=False)
     n_target = get("num_target_layers", int, min_value=1)
     # DeepSpec's attention is bidirectional inside the block whatever the copied config says
-    return _finish("deepspec", d, src, get, model, window,
+    return _finish("deepspec", d, src, get, model, window, kinds=kinds,
                    block=get("block_size", int, min_value=1), layout=_layout(get, src, "anchor_first"),
                    ids=_layer_ids(d.get("target_layer_ids"), src, "target_layer_ids"),
                    mask=get("mask_token_id", int, min_value=0), n_target=n_target,
@@ -312,7 +320,7 @@ def _nested(d, nested, src):
     # z-lab: a sliding layer is causal inside the block unless is_causal says otherwise
     is_causal = get("is_causal", bool, required=False)
     causal = [k == "sliding_attention" if is_causal is None else is_causal for k in kinds]
-    return _finish("specforge" if is_dspark else "zlab", d, src, get, model, window,
+    return _finish("specforge" if is_dspark else "zlab", d, src, get, model, window, kinds=kinds,
                    block=get("block_size", int, min_value=1), layout=_layout(get, src, "one_plus_n"),
                    ids=ids, mask=get("mask_token_id", int, min_value=0), n_target=n_target,
                    heads=_heads(get, src, defaults=defaults), causal=causal,
@@ -370,7 +378,7 @@ def _speculators(d, src):
                                            enable_confidence_head=False,
                                            confidence_head_with_markov=False)) \
         if kind == "dspark" else (0, "none", False, False)
-    return _finish("speculators", d, src, get, model, window, block=block, layout=layout,
+    return _finish("speculators", d, src, get, model, window, kinds=kinds, block=block, layout=layout,
                    ids=tuple(i - 1 for i in aux), mask=get("mask_token_id", int, min_value=0),
                    n_target=None, heads=heads, causal=causal,
                    draft_vocab=get("draft_vocab_size", int, required=False, min_value=1))

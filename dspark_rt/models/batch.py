@@ -16,15 +16,17 @@ class AttnMeta:
     block_tables [R, max_pages] int32: page ids of request r's cache.
     slot_mapping [N] int64: flat slot page * page_size + offset of each new token's K/V.
     causal: chains are causal (target) or bidirectional (drafter block).
+    window: > 0 for a sliding layer (ops.verify_attention's window), 0 otherwise.
     """
     cu_q: torch.Tensor
     kv_lens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    window: int = 0
 
     def plan(self, k_cache: torch.Tensor, h_q: int) -> "ops.VerifyAttentionPlan":
         """The verify_attention plan of a forward over this batch (ops.plan_verify_attention),
         made once and passed to every layer; k_cache: any layer's cache (they share a shape)."""
         return ops.plan_verify_attention(self.cu_q, self.kv_lens, self.block_tables, k_cache,
-                                         h_q=h_q, causal=self.causal)
+                                         h_q=h_q, causal=self.causal, window=self.window)

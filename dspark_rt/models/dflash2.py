@@ -1,4 +1,4 @@
-"""DFlash2 drafter backbone and its reference proposal (not yet served by the round).
+"""DFlash2 drafter: its backbone and its candidate-selector proposal.
 
 Reference: z-lab/dflash dflash/model.py (`DFlash2DraftModel`, `GroupedDynamicCausalConv`,
 `CandidateSelector`, `dflash_generate`), also loaded by vLLM (PR 52816), SGLang and llama.cpp.
@@ -18,8 +18,11 @@ Reference: z-lab/dflash dflash/model.py (`DFlash2DraftModel`, `GroupedDynamicCau
   q_t = softmax(S_t / T) over the k candidates (zero elsewhere), and acceptance uses that q_t:
   q(x) = q_t[index of x in C_t] and residual max(0, P - q) scattered on C_t (`_rejection_sample`).
 
-The runner's sequential head cannot express the top-k restriction, so `gamma` refuses: serving
-needs the round to take the candidate selector (see the report of the packaging work).
+Served by the round as ops.markov_sample's "selector" head: U above is the drafter's `logits`,
+w1 / w2 the predecessor / successor codebooks, gate_w the hidden projection, top_k the
+selector's k; the op writes z = S on the candidates and -inf elsewhere, so the acceptance's
+q = exp(z / T - lse) is exactly q_t above (zero outside C_t) and the residual is max(0, P - q)
+over the whole vocabulary. `propose` stays as the reference the tests hold the op to.
 """
 import torch
 from torch import nn
@@ -69,9 +72,9 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Drafter(Drafter):
-    """A DFlash2DraftModel checkpoint: forward_block (backbone with convolutions) and propose
-    (the reference candidate-selector proposal). Loads only through DFlash2Drafter.from_pretrained;
-    the runtime's Drafter.from_pretrained refuses DFlash2 by name."""
+    """A DFlash2DraftModel checkpoint (z-lab packaging): forward_block (backbone with the
+    convolutions), logits (the unary) and the selector tensors the round hands to
+    ops.markov_sample. models.load.load_drafter picks this class for such a folder."""
     allow_dflash2 = True
 
     def __init__(self, dcfg):
@@ -83,10 +86,20 @@ class DFlash2Drafter(Drafter):
         self.candidate_selector = CandidateSelector(dcfg.vocab_size, d, f["selector_rank"],
                                                     f["selector_top_k"])
 
-    @property
-    def gamma(self):
-        raise RuntimeError(f"{self.config.source}: DFlash2DraftModel: its candidate selector is "
-                           "not served by the round yet (use forward_block and propose)")
+    @classmethod
+    def from_tensors(cls, dcfg, tensors, target):
+        model = super().from_tensors(dcfg, tensors, target)
+        sel = model.candidate_selector
+        model.w1 = sel.predecessor_codebook.weight.detach()
+        model.w2 = sel.successor_codebook.weight.detach()
+        model.gate_w = sel.hidden_projection.weight.detach()
+        return model
+
+    head = property(lambda self: "selector")
+    top_k = property(lambda self: self.candidate_selector.top_k)
+
+    def logits(self, hidden):
+        return self.unary_logits(hidden)
 
     @torch.no_grad()
     def forward_block(self, input_ids, positions, meta, cache):
@@ -96,9 +109,9 @@ class DFlash2Drafter(Drafter):
         h = self.embed(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         R = h.shape[0] // B
-        for i, layer in enumerate(self.layers):
+        for i, (layer, (m, plan)) in enumerate(zip(self.layers, self.layer_metas(meta, cache))):
             x, k1 = layer.attention_conv.prepare(layer.input_layernorm(h).view(R, B, -1))
-            s = layer.self_attn(x.reshape(R * B, -1), cos, sin, meta, cache, i)
+            s = layer.self_attn(x.reshape(R * B, -1), cos, sin, m, cache, i, plan)
             h = h + layer.attention_conv.finish(s.view(R, B, -1), k1).reshape(R * B, -1)
             x, k2 = layer.mlp_conv.prepare(layer.post_attention_layernorm(h).view(R, B, -1))
             h = h + layer.mlp_conv.finish(layer.mlp(x.reshape(R * B, -1)).view(R, B, -1),

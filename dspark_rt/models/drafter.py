@@ -149,16 +149,23 @@ class Drafter(nn.Module):
                              "bidirectionally)")
         h = self.embed(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        causal = self.config.causal_layers
-        metas = {False: meta}
-        if any(causal):  # z-lab sliding layers attend causally inside the block (dflash/model.py)
-            metas[True] = dataclasses.replace(meta, causal=True)
-        h_q = self.layers[0].self_attn.h_q
-        plans = {c: m.plan(cache.k[0], h_q) for c, m in metas.items()}  # once, for every layer
-        for i, layer in enumerate(self.layers):
-            c = bool(causal and causal[i])
-            h = layer(h, cos, sin, metas[c], cache, i, plans[c])
+        for i, (layer, (m, plan)) in enumerate(zip(self.layers, self.layer_metas(meta, cache))):
+            h = layer(h, cos, sin, m, cache, i, plan)
         return self.norm(h)
+
+    def layer_metas(self, meta: AttnMeta, cache: PagedKVCache) -> list:
+        """(meta, plan) per drafter layer, one plan per distinct kind: z-lab sliding layers
+        attend within sliding_window and causally inside the block where causal_layers says so
+        (dflash/model.py)."""
+        n, cfg = len(self.layers), self.config
+        causal = cfg.causal_layers or (False,) * n
+        windows = [cfg.sliding_window if w else 0 for w in cfg.window_layers or (False,) * n]
+        h_q = self.layers[0].self_attn.h_q
+        kinds = {}
+        for kind in set(zip(causal, windows)):
+            m = dataclasses.replace(meta, causal=kind[0] or meta.causal, window=kind[1])
+            kinds[kind] = (m, m.plan(cache.k[0], h_q))
+        return [kinds[kind] for kind in zip(causal, windows)]
 
 
 def dcfg_error(dcfg, msg):

@@ -120,8 +120,8 @@ class Attention(nn.Module):
         k, v = self.project_kv(x, cos, sin)
         cache.write(layer, k, v, meta.slot_mapping)  # the op reads the new keys from the cache
         o = ops.verify_attention(q, meta.cu_q, cache.k[layer], cache.v[layer], meta.block_tables,
-                                 meta.kv_lens, causal=meta.causal, scale=self.head_dim ** -0.5,
-                                 plan=plan)
+                                 meta.kv_lens, causal=meta.causal, window=meta.window,
+                                 scale=self.head_dim ** -0.5, plan=plan)
         return self.o_proj(o.reshape(n, self.h_q * self.head_dim))
 
 

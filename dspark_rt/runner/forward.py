@@ -22,7 +22,7 @@ def draft_forward(target, drafter, head, head_weights, logits_dtype, head_dtype,
     # anchor_first: slot k drafts x_{k+1}; the 1+N layout keeps slot 0 for the anchor
     h = hidden[:, :gamma] if drafter.layout == "anchor_first" else hidden[:, 1:]
     h = h.contiguous() if live is None else torch.where(live[:, None, None], h, 0)
-    U = target.lm_head(h.reshape(R * gamma, -1)).to(logits_dtype).view(R, gamma, -1)
+    U = drafter.logits(h.reshape(R * gamma, -1)).to(logits_dtype).view(R, gamma, -1)
     if out is not None:
         out[1].copy_(U)
         U = out[1]

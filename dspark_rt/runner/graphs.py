@@ -147,8 +147,10 @@ class GraphRunner:
                              "workspaces must not happen inside a capture)")
         self.capture, self.warmup = capture, warmup
         # the rnn head has no CUDA kernel (the ops door routes it to the host-syncing
-        # reference, ops._markov_backend): its drafts stay eager, the verify is still captured
-        self.draft_capturable = not (capture and head == "rnn")
+        # reference, ops._markov_backend), nor a selector with more candidates than the kernel
+        # keeps: their drafts stay eager, the verify is still captured
+        wide = head == "selector" and self.head_weights.get("top_k", 0) > ops._CUDA_SELECT_MAX_TOP_K
+        self.draft_capturable = not (capture and (head == "rnn" or wide))
         self.device = target.device
         self.verify_buckets = sorted(set(verify_buckets or default_buckets(max_verify_tokens)))
         self.draft_buckets = sorted(set(draft_buckets or default_buckets(max_batch)))

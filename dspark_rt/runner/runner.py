@@ -110,8 +110,11 @@ class Runner:
             return {}
         d = self.drafter
         names = ("w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b", "conf_w", "conf_b")
-        return {n: None if getattr(d, n) is None else getattr(d, n).to(self.head_dtype).contiguous()
-                for n in names}
+        out = {n: None if getattr(d, n) is None else getattr(d, n).to(self.head_dtype).contiguous()
+               for n in names}
+        if self.head == "selector":  # DFlash2: candidates per step
+            out["top_k"] = d.top_k
+        return out
 
     def allocate_caches(self, num_pages: int):
         """Target and drafter caches of num_pages pages each (the engine's block managers hand
