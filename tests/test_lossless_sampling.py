@@ -2,7 +2,7 @@
 
 Harness (tests/lossless_harness.py): an 8-token target, so the exact joint law of the first five
 emitted tokens is computed by enumeration; drafters with gamma 3 (every head type, heads made
-strong enough to matter), so y2..y5 straddle one or two round boundaries. A case samples
+strong enough to matter, and a DFlash2 drafting from its top 4 of the 8 tokens), so y2..y5 straddle one or two round boundaries. A case samples
 N = 10,000 seeded requests through Decoder.generate and tests seven statistics: the marginals
 of y2..y5 and the joint laws of the consecutive pairs (y2,y3), (y3,y4), (y4,y5); its p-value
 is their Bonferroni-corrected minimum. Correct code must pass at p > 1e-3; every wrong variant
@@ -22,6 +22,7 @@ noncentrality measured at 10,000 samples, scaled to N, gives the probability of 
 | bonus-row-off-by-one | bonus token drawn from the last draft's row | 4e-63 at 5,000 (0.57) | 1.00 / 1.00 |
 | filter-one-side | top-k applied to plain steps, not verify rounds | 0 (0.02) | 1.00 / 1.00 |
 | threshold-lookahead | verify decision reads the next position's confidence | 4e-258 (1.0) | 1.00 / 1.00 |
+| selector-q-unmasked | DFlash2: q over the whole vocabulary, not its top-k candidates (2026-12-02) | 0 (1.0) | 1.00 / 1.00 |
 
 The retrospective Algorithm 1 (paper Appendix A; search past the first drop) needs a batch of one
 request to show its bias end to end, too slow here (power 0.5 at 3,000 one-request rounds); it is
