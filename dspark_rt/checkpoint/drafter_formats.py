@@ -51,8 +51,8 @@ config; TensorRT-LLM / ATOM spell the calibration key so), `rope_interleave` (q/
 consecutive pairs; the loader permutes q/k rows to the half-split layout, which is exact),
 SGLang's nested `dspark_config` (python/sglang/srt/speculative/dspark_components/
 dspark_config.py). `DFlash2DraftModel` (candidate selector, dynamic convolution) parses in
-z-lab's packaging when the caller allows it (models/load.py; models/dflash2.py serves it). Anything that cannot be served exactly is a CheckpointError naming the
-field.
+z-lab's packaging when the caller allows it (models/load.py; models/dflash2.py serves it).
+Anything that cannot be served exactly is a CheckpointError naming the field.
 """
 from dataclasses import dataclass
 
