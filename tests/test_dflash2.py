@@ -31,15 +31,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 FLOOR_TAU, FLOOR_FULL = 4.25, 0.12
 
 
-def _oracle(tmp, sequences, *, rank=128, top_k=2048, scale=20.0):
-    """A DFlash2 (block 8: gamma 7) over the shipped target whose selector drafts the most
-    frequent successor of the previous token in `sequences` (module docstring)."""
-    path = pk.dflash2(tmp, TARGET, layers=1, block_size=8, rank=rank, top_k=top_k, seed=2,
-                      output_multiplier=0.01, softcap=0.0, target_layer_ids=(0, 1, 2))
+def oracle_dflash2(tmp, sequences, target=TARGET, *, rank=128, top_k=2048, scale=20.0,
+                   block_size=8, target_layer_ids=(0, 1, 2)):
+    """A DFlash2 (block 8: gamma 7) over `target` whose selector drafts the most frequent
+    successor of the previous token in `sequences` (module docstring)."""
+    path = pk.dflash2(tmp, target, layers=1, block_size=block_size, rank=rank, top_k=top_k,
+                      seed=2, output_multiplier=0.01, softcap=0.0, target_layer_ids=target_layer_ids)
     cfg, t = pk.read(path)
     for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
         t[name] = t[name] * 0.01
-    emb = pk.read(TARGET)[1]["model.embed_tokens.weight"].double()
+    emb = pk.read(target)[1]["model.embed_tokens.weight"].double()
     e = emb[cfg["dflash_config"]["mask_token_id"]]
     h0 = t["norm.weight"].double() * e * torch.rsqrt(e.pow(2).mean() + cfg["rms_norm_eps"])
     t["candidate_selector.hidden_projection.weight"] = \
@@ -64,7 +65,7 @@ def oracle(tmp_path_factory):
     dec = Decoder.from_pretrained(TARGET, mode="ar", dtype="float64")
     outs = dec.generate(PROMPTS, GREEDY, use_tqdm=False)
     seqs = [dec.tokenizer.encode(p) + o.token_ids for p, o in zip(PROMPTS, outs)]
-    return _oracle(tmp_path_factory.mktemp("dflash2_oracle"), seqs), [o.token_ids for o in outs], dec
+    return oracle_dflash2(tmp_path_factory.mktemp("dflash2_oracle"), seqs), [o.token_ids for o in outs], dec
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -165,3 +165,25 @@ def test_other_drafters(tiny_target, tiny_drafters, kind, mode):
     ref = [o.token_ids for o in single(drafters, mode, "fixed").generate(PROMPTS, GREEDY, use_tqdm=False)]
     outs = parallel(kind, drafters, mode, "fixed").generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
+
+
+def test_dflash2_drafter(tiny_target, tmp_path_factory):
+    """A DFlash2 drafter (convolutions and candidate selector whole on every rank, backbone
+    sharded) on 2 ranks: the same tokens and the same acceptance, round by round, as on one
+    process, greedy and seeded sampling. The drafter is test_dflash2's oracle (a bigram table of
+    the target's greedy text in its selector), so drafts are accepted and their acceptance
+    tells a mis-sharded drafter apart."""
+    from tests.test_dflash2 import oracle_dflash2
+    plain = Decoder.from_pretrained(tiny_target, mode="ar", dtype="float64")
+    seqs = [p + o.token_ids for p, o in zip(PROMPTS, plain.generate(PROMPTS, GREEDY, use_tqdm=False))]
+    ddir = oracle_dflash2(tmp_path_factory.mktemp("tp_dflash2"), seqs, tiny_target, rank=32,
+                          top_k=96, block_size=4, target_layer_ids=(0, 1))
+    pair = (tiny_target, ddir)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)
+    for params in (GREEDY, sampled):
+        ref = single(pair, "dspark", "fixed").generate(PROMPTS, params, use_tqdm=False)
+        outs = parallel("dflash2", pair, "dspark", "fixed").generate(PROMPTS, params, use_tqdm=False)
+        assert [(o.token_ids, o.metrics.num_rounds) for o in outs] == \
+            [(o.token_ids, o.metrics.num_rounds) for o in ref]
+        if params is GREEDY:
+            assert sum(o.metrics.num_accepted_tokens for o in ref) > 20

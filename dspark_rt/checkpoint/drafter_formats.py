@@ -120,8 +120,7 @@ def parse(d: dict, src: str, allow_dflash2: bool = False) -> Fields:
                                   "dflash_config) only")
         if not allow_dflash2:
             raise CheckpointError(f"{what} loads through models.load.load_drafter (as "
-                                  "Decoder.from_pretrained does), on one process: tensor "
-                                  "parallelism does not serve it")
+                                  "Decoder.from_pretrained does)")
     foreign = [a for a in archs if any(f in a for f in _FOREIGN)]
     if foreign:
         raise CheckpointError(f"{src}: field 'architectures' = {archs!r} names a drafter family "

@@ -56,7 +56,7 @@ class TensorParallel:
         tcfg = TargetConfig.from_json(target)
         Shard(tcfg, 0, size)
         if drafter:
-            Shard(DrafterConfig.from_json(drafter).model, 0, size)
+            Shard(DrafterConfig.from_json(drafter, allow_dflash2=True).model, 0, size)
         self.size, self.procs, self.runners, self.closed = size, [], {}, False
         backend = "nccl" if device.type == "cuda" else "gloo"
         spec = {"target": str(target), "drafter": str(drafter) if drafter else None,

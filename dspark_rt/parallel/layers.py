@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import Checkpoint, drafter_specs, target_specs
+from ..checkpoint.tensors import dflash2_specs, drafter_aliases
 from ..checkpoint import CheckpointError, DrafterConfig, TargetConfig
+from ..models.dflash2 import DFlash2Drafter
 from ..models.drafter import Drafter
 from ..models.kv_cache import PagedKVCache
 from ..models.qwen3 import Qwen3Model, acc_dtype
@@ -98,20 +100,26 @@ def load_target(path: str, dtype, device, group: TPGroup) -> ShardedQwen3:
 
 def load_drafter(path: str, target: ShardedQwen3, group: TPGroup) -> Drafter:
     """This rank's shard of a drafter folder: its backbone at the target's TP, fc and the heads
-    whole; embedding and LM head are the (sharded) target's."""
-    dcfg = DrafterConfig.from_json(path)
+    whole; embedding and LM head are the (sharded) target's. A DFlash2 drafter keeps its
+    convolutions and candidate selector whole too: they act on whole hidden states (the
+    sublayers they wrap end in a row-parallel all-reduce)."""
+    dcfg = DrafterConfig.from_json(path, allow_dflash2=True)
     dcfg.check_target(target.config)
     rewritten = [f for f, on in (("packaging " + dcfg.format, dcfg.format not in ("deepspec", "zlab")),
                                  ("draft_vocab_size", dcfg.draft_vocab_size is not None),
                                  ("rope_interleave", dcfg.rope_interleave),
                                  ("input_embedding_scale", dcfg.input_embedding_scale != 1.0),
-                                 ("output_multiplier", dcfg.output_multiplier != 1.0)) if on]
+                                 ("output_multiplier", dcfg.output_multiplier != 1.0 and
+                                  dcfg.dflash2 is None)) if on]
     if rewritten:  # models.drafter rewrites these on one process; the shards are not rewritten
         raise CheckpointError(f"{path}: tensor parallelism serves DeepSpec and z-lab drafters in "
                               f"their own layout; this one needs a rewrite ({', '.join(rewritten)}): "
                               "serve it with tensor_parallel_size=1")
     ckpt = Checkpoint(path)
     required, optional = drafter_specs(dcfg)
+    if dcfg.dflash2 is not None:
+        required.update(dflash2_specs(dcfg))
+    ckpt.rename(drafter_aliases({**required, **optional}))
     ckpt.check(required, optional, num_layers=dcfg.num_hidden_layers)
     shard = Shard(dcfg.model, group.rank, group.size)
     # the backbone's heads and MLP width are this rank's; the vocabulary stays whole (the heads)
@@ -123,6 +131,6 @@ def load_drafter(path: str, target: ShardedQwen3, group: TPGroup) -> Drafter:
     tensors = shard.load(ckpt, names, target.dtype, target.device)
     if dcfg.confidence and "confidence_head.proj.bias" not in tensors:  # a head without bias
         tensors["confidence_head.proj.bias"] = tensors["confidence_head.proj.weight"].new_zeros(1)
-    model = Drafter.from_tensors(local, tensors, target)
+    model = (DFlash2Drafter if dcfg.dflash2 is not None else Drafter).from_tensors(local, tensors, target)
     _row_parallel(model.layers, group)
     return model
