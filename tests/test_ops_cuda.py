@@ -85,7 +85,7 @@ def _markov(kw, backend):
     args = (z, kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"))
     if backend == "reference":
         keys = ("w1", "w2", "gate_w", "gate_b", "joint_w", "joint_b", "conf_w", "conf_b",
-                "temperature", "seed", "stream", "round_", "coupled")
+                "temperature", "seed", "stream", "round_", "coupled", "top_k")
         out = reference.markov_sample(*args, *(kw.get(k) for k in keys))
     else:
         out = ops.markov_sample(*args, backend=backend, **kw)
@@ -112,6 +112,13 @@ def _check_markov(case, dtype, kw, ref, got, where):
         # every component
         prev = torch.cat([kw["anchor"][:, None], tok_r[:, :-1]], 1)
         e = kw["w1"][prev].double().abs()
+        bound = bound + 2 * EPS[wdt] * (e @ kw["w2"].double().abs().T)
+    if case.head == "selector" and wdt in (F16, BF16):
+        # u = (gate_w h) * e rounded to the weight dtype: the same one-step argument, with |g|
+        # from the gate's own product
+        prev = torch.cat([kw["anchor"][:, None], tok_r[:, :-1]], 1)
+        g = (kw["hidden"].double() @ kw["gate_w"].double().T).abs()
+        e = kw["w1"][prev].double().abs() * g
         bound = bound + 2 * EPS[wdt] * (e @ kw["w2"].double().abs().T)
     bad = dz_all > bound
     assert not bad.any(), f"z off by {float((dz_all - bound).max())} beyond tolerance: {where}"
@@ -284,6 +291,9 @@ ATTENTION_CASES = [(c, dt) for c in oc.ATTENTION_CASES for dt in DTYPES] + [
     (AC((300,), (0,), 8, 2, 64, 32), BF16),                                  # prefill, 19 tiles
     (AC((8,) * 40, (4088,) * 40, 32, 8, 128, 16, extra_pages=0), BF16),     # fills the GPU
     (AC((3, 7), (17, 63), 6, 2, 96, 16), BF16),                              # CUDA-core head_dim
+    (AC((8, 3), (4000, 37), 8, 2, 128, 16, window=2048), BF16),              # window: split-KV
+    (AC((16, 16), (8000, 5), 8, 2, 128, 64, causal=False, window=100), BF16),  # drafter block
+    (AC((3, 7), (300, 63), 6, 2, 96, 16, window=33), F32),                   # window, CUDA cores
 ]
 
 
@@ -293,8 +303,10 @@ def test_verify_attention(case, dtype):
     kw = oc.attention_inputs(case, DEV, dtype, gen_device=DEV if big else "cpu")
     where = oc.where(case)
     args = [kw[k] for k in ("q", "cu_q", "k_cache", "v_cache", "block_tables", "kv_lens")]
-    ref = reference.verify_attention(*args, kw["causal"], kw["scale"])
-    got = ops.verify_attention(*args, causal=kw["causal"], scale=kw["scale"], backend="cuda")
+    window = kw.get("window", 0)
+    ref = reference.verify_attention(*args, kw["causal"], kw["scale"], window)
+    got = ops.verify_attention(*args, causal=kw["causal"], scale=kw["scale"], window=window,
+                               backend="cuda")
     assert not got.isnan().any(), where
     # out = sum_i p_i v_i / l: the tensor-core path rounds p to the dtype before P V (EPS/2
     # relative per term, so at most EPS/2 max|v|), rounds out once (EPS/2 |out|) and sums the
@@ -304,7 +316,7 @@ def test_verify_attention(case, dtype):
                                atol=EPS[dtype] * vmax + 1e-5, msg=lambda m: f"{m}\n{where}")
     if dtype == F32 and _has_cpp():
         cpu = ops.verify_attention(*[a.cpu() for a in args], causal=kw["causal"], scale=kw["scale"],
-                                   backend="cpp")
+                                   window=window, backend="cpp")
         torch.testing.assert_close(got.cpu(), cpu, rtol=1e-5, atol=1e-5 * vmax, msg=lambda m: f"{m}\n{where}")
 
 
@@ -319,9 +331,9 @@ def test_verify_attention_plan_reuse(case, dtype):
     big = sum(case.ctx) * case.h_kv * case.head_dim > 2 ** 24
     kw = oc.attention_inputs(case, DEV, dtype, gen_device=DEV if big else "cpu")
     args = _attention_args(kw)
-    opts = dict(causal=kw["causal"], scale=kw["scale"])
+    opts = dict(causal=kw["causal"], scale=kw["scale"], window=case.window)
     plan = ops.plan_verify_attention(kw["cu_q"], kw["kv_lens"], kw["block_tables"], kw["k_cache"],
-                                     h_q=case.h_q, causal=case.causal)
+                                     h_q=case.h_q, causal=case.causal, window=case.window)
     assert plan.backend == "cuda"
     want = ops.verify_attention(*args, **opts, backend="cuda")
     out = torch.empty_like(want)
