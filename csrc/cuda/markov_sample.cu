@@ -30,6 +30,7 @@
 #include <algorithm>
 
 #include "cuda/common.cuh"
+#include "cuda/head_proj.cuh"
 #include "cuda/markov_select.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/sampling.cuh"
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
   W* e_out = static_cast<W*>(a.e_eff) + static_cast<int64_t>(rq) * a.rank;
   if (gated) {
     // g = sigmoid(gate_w @ [h; e] + gate_b), rounded as the reference rounds each op; the h half
-    // of the product was computed once for all steps by MarkovProjKernel.
+    // of the product was computed once for all steps by HeadProjKernel.
     const W* gw = static_cast<const W*>(a.gate_w);
     const W* gb = static_cast<const W*>(a.gate_b);
     const int ld = a.d + a.rank;
@@ -454,59 +455,6 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
       const int64_t o = static_cast<int64_t>(rq) * a.gamma + kn;
       const float cb = ToFloat(static_cast<const W*>(a.conf_b)[0]);
       a.conf_logit[o] = RoundTo<T>(RoundTo<T>(a.hc[o] + dot) + cb);
-    }
-  }
-}
-
-// ---- prologue: the hidden-state halves of the gate and confidence products --------------------
-// out[n][i] = W[i][:d] . hidden[n] for every (request, step) n at once (they do not depend on
-// the sampled tokens). Rows 0..rank-1 are the gate (gated head), row `rank_rows` the confidence
-// head. A warp computes 4 rows x 8 vectors so each loaded element feeds 4 or 8 FMAs.
-struct ProjArgs {
-  const void* hidden;  // [N, d]
-  const void* gate_w;  // [rank, d + rank] or null
-  const void* conf_w;  // [d (+ rank)] or null
-  float* hg;           // [N, rank]
-  float* hc;           // [N]
-  int N, d, rank_rows, ld_gate;
-  bool vec;
-};
-
-template <class W>
-__global__ void __launch_bounds__(kThreads) MarkovProjKernel(ProjArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) >> 5;
-  const int nrows = a.rank_rows + (a.conf_w != nullptr ? 1 : 0);
-  const int row_tiles = (nrows + 3) / 4, vec_tiles = (a.N + 7) / 8;
-  if (warp >= row_tiles * vec_tiles) return;
-  const int rt = warp % row_tiles, vt = warp / row_tiles;
-  const W* wp[4];
-  const W* hp[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = min(rt * 4 + i, nrows - 1);  // clamped duplicates are computed, not stored
-    wp[i] = row < a.rank_rows ? static_cast<const W*>(a.gate_w) + static_cast<int64_t>(row) * a.ld_gate
-                              : static_cast<const W*>(a.conf_w);
-  }
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    hp[q] = static_cast<const W*>(a.hidden) + static_cast<int64_t>(min(vt * 8 + q, a.N - 1)) * a.d;
-  }
-  float acc[4][8] = {};
-  RowDots4x8<W>(wp, hp, a.d, a.vec, lane, acc);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const float s = WarpSum(acc[i][q]);
-      const int row = rt * 4 + i, n = vt * 8 + q;
-      if (lane == 0 && row < nrows && n < a.N) {
-        if (row < a.rank_rows) {
-          a.hg[static_cast<int64_t>(n) * a.rank_rows + row] = s;
-        } else {
-          a.hc[n] = s;
-        }
-      }
     }
   }
 }
@@ -621,7 +569,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   if (p.confidence && (st = scratch.Get(static_cast<size_t>(R) * gamma, &hc)) != Status::kOk) return st;
 
   if (gated || p.confidence) {
-    ProjArgs pa{};
+    HeadProjArgs pa{};
     pa.hidden = p.hidden;
     pa.gate_w = gated ? p.gate_w : nullptr;
     pa.conf_w = p.confidence ? p.conf_w : nullptr;
@@ -636,7 +584,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     const int nrows = pa.rank_rows + (p.confidence ? 1 : 0);
     const int64_t warps = CeilDiv(nrows, 4) * CeilDiv(pa.N, 8);
     if (d > 0) {
-      MarkovProjKernel<W><<<static_cast<unsigned>(CeilDiv(warps, kWarps)), kThreads, 0, stream>>>(pa);
+      HeadProjKernel<W, kThreads><<<static_cast<unsigned>(CeilDiv(warps, kWarps)), kThreads, 0, stream>>>(pa);
     } else {
       if (gated) cudaMemsetAsync(hg, 0, sizeof(float) * R * gamma * rank, stream);
       if (p.confidence) cudaMemsetAsync(hc, 0, sizeof(float) * R * gamma, stream);

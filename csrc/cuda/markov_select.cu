@@ -8,8 +8,8 @@
 // Shape of the work. Only the token chain x_0 -> x_1 -> ... is sequential, and it is per
 // request (no grid-wide barrier): everything that depends on U or h alone runs first, over all
 // R * gamma rows at once.
-//   * SelectProjKernel: g = gate_w @ h_k and the confidence head's conf_w[:d] . h_k for every
-//     row (a warp computes 4 weight rows x 8 hidden vectors; float accumulators).
+//   * HeadProjKernel (head_proj.cuh, shared with markov_sample.cu): g = gate_w @ h_k and the
+//     confidence head's conf_w[:d] . h_k for every row (float accumulators).
 //   * SelectTopkKernel, block = (row, slice of the vocabulary): streams its slice of U once;
 //     each warp keeps its running top_k in registers (2 or 8 entries per lane, sorted), fed by
 //     ballots of the entries above its current k-th key, so after warm-up a 128-entry chunk
@@ -44,6 +44,7 @@
 #include <algorithm>
 
 #include "cuda/common.cuh"
+#include "cuda/head_proj.cuh"
 #include "cuda/sampling.cuh"
 
 namespace dspark::cuda {
@@ -276,63 +277,6 @@ __global__ void __launch_bounds__(kThreads) SelectMergeKernel(const uint64_t* pa
   MergeLists(sk, sv, S, K, cand_key + row * K, cand_val + row * K);
 }
 
-// ---- the hidden-state products: g = gate_w @ h_k, conf_w[:d] . h_k -----------------------------
-// A warp computes 4 weight rows x 8 hidden vectors so each loaded element feeds 4 or 8 FMAs.
-// Rows 0..rank-1 are gate_w's, row `rank` (if conf_w) the confidence head's.
-struct ProjArgs {
-  const void* hidden;  // [N, d]
-  const void* gate_w;  // [rank, d]
-  const void* conf_w;  // [d (+ rank)] or null
-  float* hg;           // [N, rank]
-  float* hc;           // [N]
-  int64_t N;
-  int d, rank;
-  bool vec;
-};
-
-template <class W>
-__global__ void __launch_bounds__(kThreads) SelectProjKernel(ProjArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int nrows = a.rank + (a.conf_w != nullptr ? 1 : 0);
-  const int64_t row_tiles = (nrows + 3) / 4, vec_tiles = (a.N + 7) / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; w < row_tiles * vec_tiles;
-       w += stride) {
-    const int rt = static_cast<int>(w % row_tiles);
-    const int64_t vt = w / row_tiles;
-    const W* wp[4];
-    const W* hp[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = min(rt * 4 + i, nrows - 1);  // clamped duplicates are computed, not stored
-      wp[i] = row < a.rank ? static_cast<const W*>(a.gate_w) + static_cast<int64_t>(row) * a.d
-                           : static_cast<const W*>(a.conf_w);
-    }
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      hp[q] = static_cast<const W*>(a.hidden) + min(vt * 8 + q, a.N - 1) * a.d;
-    }
-    float acc[4][8] = {};
-    RowDots4x8<W>(wp, hp, a.d, a.vec, lane, acc);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float s = WarpSum(acc[i][q]);
-        const int row = rt * 4 + i;
-        const int64_t n = vt * 8 + q;
-        if (lane == 0 && row < nrows && n < a.N) {
-          if (row < a.rank) {
-            a.hg[n * a.rank + row] = s;
-          } else {
-            a.hc[n] = s;
-          }
-        }
-      }
-    }
-  }
-}
-
 // ---- the sequential steps ---------------------------------------------------------------------
 struct StepArgs {
   void* logits;  // [R, gamma, V]: -inf outside the candidates (SelectTopkKernel)
@@ -516,7 +460,7 @@ Status SelectLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   }
 
   if (d > 0) {
-    ProjArgs pa{};
+    HeadProjArgs pa{};
     pa.hidden = p.hidden;
     pa.gate_w = p.gate_w;
     pa.conf_w = conf ? p.conf_w : nullptr;
@@ -524,12 +468,13 @@ Status SelectLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     pa.hc = hc;
     pa.N = N;
     pa.d = d;
-    pa.rank = rank;
+    pa.rank_rows = rank;
+    pa.ld_gate = d;
     pa.vec = d % 4 == 0 && Aligned(p.hidden, 4 * kElem) && Aligned(p.gate_w, 4 * kElem) &&
              (!conf || Aligned(p.conf_w, 4 * kElem));
     const int64_t warps = CeilDiv(rank + (conf ? 1 : 0), 4) * CeilDiv(N, 8);
     const int64_t blocks = std::min<int64_t>(CeilDiv(warps, kWarps), static_cast<int64_t>(lim.sm_count) * 64);
-    SelectProjKernel<W><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pa);
+    HeadProjKernel<W, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pa);
     if ((st = LaunchStatus()) != Status::kOk) return st;
   }
 
