@@ -298,3 +298,26 @@ def test_deferred_features_lost_are_rebuilt_from_the_target(plain_tokens):
         got, want = _context(dec, out), _context(ref, ref_out)
         n = min(got.shape[1], want.shape[1])
         torch.testing.assert_close(got[:, :n], want[:, :n], rtol=1e-9, atol=1e-9)
+
+
+def test_a_decision_is_reused_only_while_its_inputs_stand(plain_tokens):
+    """A plain stretch reuses the last decision while the estimates and the batch are unchanged;
+    over a whole run (explorations, per-request estimates, requests finishing) every round
+    decides and drafts exactly as a policy that prices every round afresh."""
+    class Afresh(AutoPolicy):
+        def _decide(self, caps, gamma):
+            self._last = None
+            return super()._decide(caps, gamma)
+
+    logs = []
+    for cls in (AutoPolicy, Afresh):
+        # profiles under which the estimates flip the decision during the run
+        pol = cls(SPEC, SPEC.scaled(1.3), SPEC.scaled(0.9), explore_every=3, explore_share=0.25)
+        log, speculates, draft_caps = [], pol.speculates, pol.draft_caps
+        pol.speculates = lambda caps, g: log.append(("s", tuple(caps), speculates(caps, g))) or log[-1][2]
+        pol.draft_caps = lambda caps: log.append(("d", tuple(draft_caps(caps)))) or list(log[-1][1])
+        assert [o.token_ids for o in _run(pol)] == plain_tokens
+        logs.append((log, dict(pol.rounds)))
+    assert logs[0] == logs[1]
+    decided = {entry[2] for entry in logs[1][0] if entry[0] == "s"}
+    assert decided == {True, False}, logs[1][1]

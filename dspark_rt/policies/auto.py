@@ -80,6 +80,8 @@ class AutoPolicy(SyncScheduler):
         self._explore_from = 0                     # first request of the next exploring round
         self.estimate: np.ndarray | None = None  # [gamma] expected survival by position
         self._own: dict = {}                       # request id -> (its own estimate, round seen)
+        self._updates = 0                          # estimate updates so far (lengths)
+        self._last = None                          # (inputs, outputs) of the last _decide
         self._ids: list | None = None              # this round's request ids (None: not known)
         self._chosen: set | None = None            # batch rows that draft (None: all of them)
         self._round = 0
@@ -149,6 +151,18 @@ class AutoPolicy(SyncScheduler):
         self._chosen = None
         if self.estimate is None:
             return None, False
+        # between estimate updates a decision depends on the batch alone: plain stretches (the
+        # common case under load) reuse it instead of pricing every k again each round
+        key = (self._updates, id(self.estimate), len(self._own), gamma, tuple(caps),
+               None if self._ids is None else tuple(self._ids))
+        if self._last is not None and self._last[0] == key:
+            out, self._chosen, self._margin = self._last[1]
+            return out
+        out = self._decide_now(caps, gamma, R)
+        self._last = (key, (out, self._chosen, self._margin))
+        return out
+
+    def _decide_now(self, caps, gamma, R) -> tuple[bool, bool]:
         if R > self.max_tokens or R > self.plain.max_tokens:
             return True, False  # outside the profiles: speculate (and learn)
         if self._ids is None or not any(rid in self._own for rid in self._ids):
@@ -225,6 +239,7 @@ class AutoPolicy(SyncScheduler):
         drafted = (cap > 0).to("cpu")  # requests that drafted (an exploring round: a few)
         a = survival[:, :gamma].detach().to("cpu").double()[drafted].numpy()
         if a.size:  # the drafting requests' survivals by position inform the next decisions
+            self._updates += 1
             mean = np.nan_to_num(a, nan=0.0).mean(axis=0)
             # the old estimate's weight: it ages by rounds, times the share of the batch seen now
             old = self.decay ** max(self._age * a.shape[0] / len(drafted), 1.0)
