@@ -584,7 +584,9 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     const int nrows = pa.rank_rows + (p.confidence ? 1 : 0);
     const int64_t warps = CeilDiv(nrows, 4) * CeilDiv(pa.N, 8);
     if (d > 0) {
-      HeadProjKernel<W, kThreads><<<static_cast<unsigned>(CeilDiv(warps, kWarps)), kThreads, 0, stream>>>(pa);
+      // grid-stride: a few waves of blocks cover any number of rows
+      const int64_t blocks = std::min<int64_t>(CeilDiv(warps, kWarps), static_cast<int64_t>(lim.sm_count) * 64);
+      HeadProjKernel<W, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pa);
     } else {
       if (gated) cudaMemsetAsync(hg, 0, sizeof(float) * R * gamma * rank, stream);
       if (p.confidence) cudaMemsetAsync(hc, 0, sizeof(float) * R * gamma, stream);
