@@ -698,3 +698,13 @@ def test_door_edge_cases():
     surv = torch.rand(3, 4)
     assert torch.equal(ops.prefix_topk(surv, 2 ** 63), ops.prefix_topk(surv, 12))
     _raises(lambda: ops.prefix_topk(surv, True), "K")
+
+
+def test_selector_top_k_must_fit_the_vocabulary():
+    """top_k outside [1, V] is an error naming it (never clamped), as is top_k with another head."""
+    kw = oc.markov_inputs(oc.MarkovCase(2, 3, 37, "selector", rank=8, d=16, top_k=5))
+    for bad in (0, 38, 2.0, None):
+        with pytest.raises(ops.OpError, match="top_k"):
+            _markov({**kw, "top_k": bad}, "cpp")
+    with pytest.raises(ops.OpError, match="top_k is only for head 'selector'"):
+        _markov({**oc.markov_inputs(oc.MarkovCase(2, 3, 37, "vanilla", rank=8, d=16)), "top_k": 5}, "cpp")

@@ -275,6 +275,11 @@ def test_dflash2_loads_through_its_own_door(tmp_path):
     (p / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"conv_kernel_size.*loads through models.load"):
         _load(p)
+    cfg["dflash_config"]["selector_top_k"] = cfg["vocab_size"] + 1
+    (p / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"field 'selector_top_k' = \d+ exceeds vocab_size"):
+        DrafterConfig.from_json(p, allow_dflash2=True)
+    cfg["dflash_config"]["selector_top_k"] = 16
     nested = cfg.pop("dflash_config")
     flat = {**cfg, **nested, "speculators_model_type": "dflash2"}
     (p / "config.json").write_text(json.dumps(flat))

@@ -2,6 +2,7 @@
 // at once (they do not depend on the sampled tokens): markov_sample's gated gate, the selector's
 // gate and the confidence head's h part (markov_sample.cu, markov_select.cu).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -18,7 +19,7 @@ struct HeadProjArgs {
   float* hc;
   int64_t N;
   int d, rank_rows, ld_gate;
-  bool vec;  // hidden, gate_w and conf_w rows are 16-byte aligned and d % 4 == 0
+  bool vec;  // set by LaunchHeadProj: every row 16-byte aligned, d % 4 == 0
 };
 
 // A warp computes 4 weight rows x 8 hidden vectors, so each loaded element feeds 4 or 8 FMAs;
@@ -64,6 +65,21 @@ __global__ void __launch_bounds__(kThreads) HeadProjKernel(HeadProjArgs a) {
       }
     }
   }
+}
+
+// Fills hg / hc for a's rows on `stream` (d > 0: the caller handles an empty hidden state).
+// Grid-stride, so a few waves of blocks cover any number of rows.
+template <class W, int kThreads>
+Status LaunchHeadProj(HeadProjArgs a, int sm_count, cudaStream_t stream) {
+  constexpr size_t kVec = 4 * sizeof(W);
+  a.vec = a.d % 4 == 0 && Aligned(a.hidden, kVec) &&
+          (a.rank_rows == 0 || (a.ld_gate % 4 == 0 && Aligned(a.gate_w, kVec))) &&
+          (a.conf_w == nullptr || Aligned(a.conf_w, kVec));
+  const int nrows = a.rank_rows + (a.conf_w != nullptr ? 1 : 0);
+  const int64_t warps = CeilDiv(nrows, 4) * CeilDiv(a.N, 8);
+  const int64_t blocks = std::min<int64_t>(CeilDiv(warps, kThreads / 32), int64_t{sm_count} * 64);
+  HeadProjKernel<W, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  return LaunchStatus();
 }
 
 }  // namespace dspark::cuda

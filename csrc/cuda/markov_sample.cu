@@ -579,19 +579,14 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     pa.d = d;
     pa.rank_rows = gated ? rank : 0;
     pa.ld_gate = d + rank;
-    pa.vec = d % 4 == 0 && Aligned(p.hidden, 4 * kElem) && (!gated || (pa.ld_gate % 4 == 0 && Aligned(p.gate_w, 4 * kElem))) &&
-             (!p.confidence || Aligned(p.conf_w, 4 * kElem));
-    const int nrows = pa.rank_rows + (p.confidence ? 1 : 0);
-    const int64_t warps = CeilDiv(nrows, 4) * CeilDiv(pa.N, 8);
     if (d > 0) {
-      // grid-stride: a few waves of blocks cover any number of rows
-      const int64_t blocks = std::min<int64_t>(CeilDiv(warps, kWarps), static_cast<int64_t>(lim.sm_count) * 64);
-      HeadProjKernel<W, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pa);
+      st = LaunchHeadProj<W, kThreads>(pa, lim.sm_count, stream);
     } else {
       if (gated) cudaMemsetAsync(hg, 0, sizeof(float) * R * gamma * rank, stream);
       if (p.confidence) cudaMemsetAsync(hc, 0, sizeof(float) * R * gamma, stream);
+      st = LaunchStatus();
     }
-    if ((st = LaunchStatus()) != Status::kOk) return st;
+    if (st != Status::kOk) return st;
   }
 
   for (int r0 = 0; r0 < R; r0 += G) {

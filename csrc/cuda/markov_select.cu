@@ -470,12 +470,7 @@ Status SelectLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     pa.d = d;
     pa.rank_rows = rank;
     pa.ld_gate = d;
-    pa.vec = d % 4 == 0 && Aligned(p.hidden, 4 * kElem) && Aligned(p.gate_w, 4 * kElem) &&
-             (!conf || Aligned(p.conf_w, 4 * kElem));
-    const int64_t warps = CeilDiv(rank + (conf ? 1 : 0), 4) * CeilDiv(N, 8);
-    const int64_t blocks = std::min<int64_t>(CeilDiv(warps, kWarps), static_cast<int64_t>(lim.sm_count) * 64);
-    HeadProjKernel<W, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pa);
-    if ((st = LaunchStatus()) != Status::kOk) return st;
+    if ((st = LaunchHeadProj<W, kThreads>(pa, lim.sm_count, stream)) != Status::kOk) return st;
   }
 
   TopkArgs ta{};

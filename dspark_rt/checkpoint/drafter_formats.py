@@ -316,6 +316,9 @@ def _nested(d, nested, src):
         if model.hidden_size % dflash2["conv_group_size"]:
             raise CheckpointError(f"{src}: field 'conv_group_size' = "
                                   f"{dflash2['conv_group_size']} does not divide hidden_size")
+        if dflash2["selector_top_k"] > model.vocab_size:
+            raise CheckpointError(f"{src}: field 'selector_top_k' = {dflash2['selector_top_k']} "
+                                  f"exceeds vocab_size = {model.vocab_size}")
     # z-lab: a sliding layer is causal inside the block unless is_causal says otherwise
     is_causal = get("is_causal", bool, required=False)
     causal = [k == "sliding_attention" if is_causal is None else is_causal for k in kinds]

@@ -152,7 +152,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     """Sequential drafting stage; see reference.markov_sample for the semantics.
 
     head "selector" (DFlash2's candidate selector) takes gate_w [rank, d] (no gate_b) and top_k,
-    an int >= 1 (above V it means the whole vocabulary).
+    an int in [1, V].
 
     Dtypes: logits (float32, float64, or 16-bit on CUDA) set the compute dtype; hidden and every
     head weight share the weight dtype, the logits' or a 16-bit type under float32 logits (a
@@ -196,9 +196,8 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
         w1 = tensor(op, "w1", w1, shape=(V, rank))
         w2 = tensor(op, "w2", w2, dtype=wdt, shape=(V, rank), device=dev)
     if head == "selector":
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-            fail(op, f"head 'selector' needs top_k, an int >= 1, got {top_k!r}")
-        top_k = min(top_k, V)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= V:
+            fail(op, f"head 'selector' needs top_k, an int in [1, V={V}], got {top_k!r}")
         gate_w = tensor(op, "gate_w", gate_w, dtype=wdt, shape=(rank, d), device=dev)
         if be == "cuda" and backend is None and top_k > _CUDA_SELECT_MAX_TOP_K:
             be = "reference"  # the kernel keeps its candidate lists in registers
