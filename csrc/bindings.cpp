@@ -176,6 +176,7 @@ PYBIND11_MODULE(_C, m) {
     c.def(py::init<>());
     c.def_readwrite("R", &P::R).def_readwrite("gamma", &P::gamma).def_readwrite("V", &P::V);
     DefEnum(c, cls, "dtype", &P::dtype, 0, kMaxDType);
+    DefEnum(c, cls, "draft_dtype", &P::draft_dtype, 0, kMaxDType);
     DefEnum(c, cls, "lse_dtype", &P::lse_dtype, 0, kMaxDType);
     DefPtr(c, "target_logits", &P::target_logits);
     DefPtr(c, "cu_rows", &P::cu_rows);
@@ -189,6 +190,7 @@ PYBIND11_MODULE(_C, m) {
     DefPtr(c, "coupled", &P::coupled);
     DefPtr(c, "num_accepted", &P::num_accepted);
     DefPtr(c, "out_tokens", &P::out_tokens);
+    DefPtr(c, "failed", &P::failed);
     m.def(
         "rejection_sample",
         [](const P& p, const std::string& backend, uintptr_t stream) {

@@ -7,8 +7,11 @@ namespace dspark {
 
 struct RejectionSampleParams {
   int64_t R = 0, gamma = 0, V = 0;  // gamma may be 0 (plain autoregressive sampling)
-  DType dtype = DType::kFloat32;    // target_logits and draft_logits
-  DType lse_dtype = DType::kFloat32;  // draft_lse: float64 iff dtype is float64
+  DType dtype = DType::kFloat32;        // target_logits
+  DType draft_dtype = DType::kFloat32;  // draft_logits: dtype, or float32 under 16-bit target
+                                        // logits (a bf16 model's verify output, served as it
+                                        // is: the kernels widen on load, exactly)
+  DType lse_dtype = DType::kFloat32;    // draft_lse: float64 iff dtype is float64
 
   const void* target_logits = nullptr;  // [N, V]; request r owns rows cu_rows[r] .. cu_rows[r+1]-1
   const int32_t* cu_rows = nullptr;     // [R + 1]; l_r = cu_rows[r+1] - cu_rows[r] - 1 in [0, gamma]
@@ -25,6 +28,8 @@ struct RejectionSampleParams {
 
   int32_t* num_accepted = nullptr;  // [R] a_r
   int64_t* out_tokens = nullptr;    // [R, gamma + 1] x_1..x_a, y, then -1
+  uint8_t* failed = nullptr;        // [R] 1 where one of the request's rows holds NaN or +inf
+                                    // (it fails alone; its tokens are meaningless), else 0
 };
 
 Status RejectionSampleCpu(const RejectionSampleParams& p);

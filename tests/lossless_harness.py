@@ -248,9 +248,9 @@ def _rows_T(temperature, cu_rows):
 
 def emit_from_p(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw):
     """After a rejection, emits y ~ P instead of the residual max(0, P - q)."""
-    acc, out = _real_rejection(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw)
+    acc, out, failed = _real_rejection(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw)
     if draft_tokens is None:
-        return acc, out
+        return acc, out, failed
     ell = (cu_rows[1:] - cu_rows[:-1] - 1).long()
     rej = torch.nonzero(acc.long() < ell)[:, 0]
     if len(rej):
@@ -259,7 +259,7 @@ def emit_from_p(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, *
         g = philox.gumbel(kw["seed"][rej, None], kw["stream"][rej, None], kw["round_"][rej, None],
                           philox.PURPOSE_EMIT, (a + 1)[:, None], torch.arange(rows.shape[1])[None])
         out[rej, a] = reference._first_argmax(rows + g)
-    return acc, out
+    return acc, out, failed
 
 
 def q_from_u(logits, hidden, anchor, head, **kw):
@@ -305,9 +305,9 @@ def p_untempered(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, 
 def bonus_from_previous_row(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw):
     """When every verified draft is accepted, the bonus token is drawn from row l - 1 (P of the
     last draft's own position) instead of row l."""
-    acc, out = _real_rejection(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw)
+    acc, out, failed = _real_rejection(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw)
     if draft_tokens is None:
-        return acc, out
+        return acc, out, failed
     ell = (cu_rows[1:] - cu_rows[:-1] - 1).long()
     full = torch.nonzero((acc.long() == ell) & (ell > 0))[:, 0]
     if len(full):
@@ -316,7 +316,7 @@ def bonus_from_previous_row(target_logits, cu_rows, draft_tokens, draft_logits, 
         g = philox.gumbel(kw["seed"][full, None], kw["stream"][full, None], kw["round_"][full, None],
                           philox.PURPOSE_EMIT, (a + 1)[:, None], torch.arange(rows.shape[1])[None])
         out[full, a] = reference._first_argmax(rows + g)
-    return acc, out
+    return acc, out, failed
 
 
 def filter_plain_steps_only(self, batch, logits, cu_rows):

@@ -292,15 +292,14 @@ def test_device_metadata_equals_host_metadata(pair):
         lengths = [rng.randint(0, gamma) for _ in range(R)]
         chains = torch.randint(0, 90, (R, gamma + 1))
         pad = rng.randint(0, 5)
-        meta, pos, ids, owner = r.meta_on_device(batch, torch.tensor(lengths), R + sum(lengths) + pad, chains)
+        meta, pos, ids = r.meta_on_device(batch, torch.tensor(lengths), R + sum(lengths) + pad, chains)
         want, want_pos, cu = r.meta(pages, kv, [n + 1 for n in lengths], True)
         n = cu[-1]
         assert meta.cu_q.tolist() == want.cu_q.tolist() and meta.kv_lens.tolist() == want.kv_lens.tolist()
         assert torch.equal(meta.block_tables, want.block_tables)
         assert torch.equal(meta.slot_mapping[:n], want.slot_mapping) and torch.equal(pos[:n], want_pos)
         assert ids[:n].tolist() == [t for i, L in enumerate(lengths) for t in chains[i, : L + 1].tolist()]
-        assert meta.slot_mapping[n:].tolist() == [-1] * pad and owner[n:].tolist() == [-1] * pad
-        assert owner[:n].tolist() == [i for i, L in enumerate(lengths) for _ in range(L + 1)]
+        assert meta.slot_mapping[n:].tolist() == [-1] * pad and pos[n:].tolist() == [0] * pad
 
 
 def test_a_bf16_model_serves_bf16_head_weights(pair, monkeypatch):
@@ -321,3 +320,54 @@ def test_a_bf16_model_serves_bf16_head_weights(pair, monkeypatch):
     ar = Decoder.from_pretrained(pair[0], mode="ar", dtype="bfloat16").generate([[1, 2, 3], [4, 5]], p, use_tqdm=False)
     assert seen and set(seen) == {(torch.float32, torch.bfloat16, torch.bfloat16)}
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+
+
+def test_a_bf16_model_verifies_on_its_own_logits(pair, monkeypatch):
+    """A bf16 target's verify logits reach the acceptance as the lm_head writes them (no cast
+    pass; the kernel widens on load), and every token, logprob and failure is what the widened
+    logits give: sampled, filtered and unfiltered requests, logprobs, one batch."""
+    from dspark_rt import ops
+    seen, real = [], ops.rejection_sample
+
+    def spy(target_logits, *a, **kw):
+        seen.append(target_logits.dtype)
+        return real(target_logits, *a, **kw)
+
+    monkeypatch.setattr(ops, "rejection_sample", spy)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=True),
+              SamplingParams(max_tokens=12, temperature=0.7, top_p=0.8, seed=4, logprobs=True),
+              SamplingParams(max_tokens=12, **GREEDY)]
+    runs = []
+    for widen in (False, True):
+        dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", dtype="bfloat16")
+        assert dec.runner.verify_dtype == torch.bfloat16
+        if widen:
+            dec.runner.verify_dtype = torch.float32
+        seen.clear()
+        runs.append(dec.generate(prompts, params, use_tqdm=False))
+        assert (torch.bfloat16 in seen) != widen, seen
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert all(len(o.logprobs) == 12 for o in runs[0][:2])
+    assert sum(o.metrics.num_accepted_tokens for o in runs[0]) > 0
+
+
+def test_filtering_16bit_logits_keeps_the_widened_nucleus(pair):
+    """Top-k / top-p over bf16 verify logits keep exactly the entries they keep over the same
+    logits widened to float32 (dividing by T in bf16 moves the nucleus of ~1% of such rows)."""
+    from types import SimpleNamespace
+    from dspark_rt.runner.logits_process import filter_rows
+    runner = Decoder.from_pretrained(pair[0], mode="ar").runner
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3000, 50, generator=g) * 3).bfloat16()
+    params = [SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.3, top_k=20),
+              SamplingParams(temperature=0.3, top_p=0.9, top_k=30)]
+    batch = SimpleNamespace(params=params, filtered=[True] * 3)
+    cu = [0, 1000, 2000, 3000]
+    got = runner.filter(batch, x.clone(), cu)
+    want = runner.filter(batch, x.float(), cu)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want)
+    naive = torch.cat([filter_rows(x[lo:hi] / p.temperature, p.top_k, p.top_p).isinf()
+                       for p, lo, hi in zip(params, cu, cu[1:])])
+    assert (naive != want.isinf()).any(), "no row where bf16 division moves the nucleus"

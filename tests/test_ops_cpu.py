@@ -177,9 +177,63 @@ def test_rejection_sample(case, dtype):
     # The reference upcasts to float64 and so does the kernel: tokens match exactly for both.
     for key in range(3):
         kw = oc.rejection_inputs(case, dtype=dtype, key=key)
-        acc, out = _rejection(kw, "cpp")
-        racc, rout = _rejection(kw, "reference")
+        acc, out, failed = _rejection(kw, "cpp")
+        racc, rout, rfailed = _rejection(kw, "reference")
         assert torch.equal(acc, racc) and torch.equal(out, rout), oc.where(case, key)
+        assert not failed.any() and not rfailed.any(), oc.where(case, key)
+
+
+@pytest.mark.parametrize("case", oc.REJECTION_CASES, ids=str)
+def test_rejection_bf16_target_logits(case):
+    """A bf16 model's verify logits served as they are, under float32 drafts: the kernel widens
+    them on load, so its tokens are the reference's and those of the float32 copy, exactly."""
+    for key in range(3):
+        kw = oc.rejection_inputs(case, dtype=torch.float32, key=key)
+        half = {**kw, "target_logits": kw["target_logits"].bfloat16()}
+        wide = {**kw, "target_logits": half["target_logits"].float()}
+        got, ref, cast = _rejection(half, "cpp"), _rejection(half, "reference"), _rejection(wide, "cpp")
+        for a, b, c in zip(got, ref, cast):
+            assert torch.equal(a, b) and torch.equal(a, c), oc.where(case, key)
+
+
+def _plant(kw, rng, values):
+    """kw with values (NaN, +inf, -inf) planted at a random entry of about a third of the target
+    rows; returns it and the failed flags the plants imply (a NaN or +inf in any of a request's
+    rows, padding rows past cu_rows[R] excluded)."""
+    t = kw["target_logits"].clone()
+    cu = kw["cu_rows"].tolist()
+    want = [False] * (len(cu) - 1)
+    for i in range(t.shape[0]):
+        if rng.random() < 0.35:
+            v = rng.choice(values)
+            t[i, rng.randrange(t.shape[1])] = v
+            owner = next((r for r in range(len(cu) - 1) if cu[r] <= i < cu[r + 1]), None)
+            if owner is not None and not v == -math.inf:
+                want[owner] = True
+    return {**kw, "target_logits": t}, torch.tensor(want)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [oc.RejectionCase(9, 3, 37, "random", "mixed", "random", coupled="mixed"),
+                                  oc.RejectionCase(6, 2, 517, "full", "sampled"),
+                                  oc.RejectionCase(5, 0, 100, "zero", "greedy"),
+                                  oc.RejectionCase(7, 5, 129, "random", "mixed", noncontig=True)], ids=str)
+def test_rejection_failed_rows(case, target_dtype):
+    """failed[r]: one of request r's rows holds NaN or +inf (-inf is a masked entry, not a
+    failure; rows past cu_rows[R] belong to no request), on every backend and target dtype."""
+    import random
+    dt = torch.float64 if target_dtype == torch.float64 else torch.float32
+    fails = oks = 0
+    for key in range(6):
+        kw = oc.rejection_inputs(case, dtype=dt, key=key)
+        pad = torch.zeros(2, case.V, dtype=dt)
+        kw = {**kw, "target_logits": torch.cat([kw["target_logits"], pad]).to(target_dtype)}
+        kw, want = _plant(kw, random.Random(key), [math.nan, math.inf, -math.inf])
+        fails, oks = fails + int(want.sum()), oks + int((~want).sum())
+        for backend in ("cpp", "reference"):
+            failed = _rejection(kw, backend)[2]
+            assert failed.dtype == torch.bool and torch.equal(failed, want), (backend, oc.where(case, key))
+    assert fails and oks, "the plants must fail some requests and spare others"
 
 
 def _old_residual_prefilter_drops(kw, acc, out):
@@ -214,8 +268,8 @@ def test_rejection_cold_cases_have_power():
     for case in [c for c in oc.REJECTION_CASES if c.drafts == "shifted"]:
         for key in range(20):
             kw = oc.rejection_inputs(case, key=key)
-            acc, out = _rejection(kw, "cpp")
-            racc, rout = _rejection(kw, "reference")
+            acc, out, _ = _rejection(kw, "cpp")
+            racc, rout, _ = _rejection(kw, "reference")
             assert torch.equal(acc, racc) and torch.equal(out, rout), oc.where(case, key)
             d, n = _old_residual_prefilter_drops(kw, racc, rout)
             drops, sweeps = drops + d, sweeps + n
@@ -273,7 +327,7 @@ def test_rejection_greedy_structural():
         if want[r] < ells[r]:
             drafts[r, want[r]] = (best[lo + want[r]] + 1) % V
     zeros = torch.zeros(R, dtype=torch.int64)
-    acc, out = ops.rejection_sample(target, cu, drafts, torch.randn(R, G, V), torch.zeros(R, G),
+    acc, out, _ = ops.rejection_sample(target, cu, drafts, torch.randn(R, G, V), torch.zeros(R, G),
                                     temperature=torch.zeros(R), seed=zeros, stream=zeros,
                                     round_=zeros, backend="cpp")
     assert torch.equal(acc.long(), want), oc.where("greedy-structural")
@@ -308,7 +362,7 @@ def test_rejection_distribution(V):
     g, P, q, x, t_row, z = _stat_setup(V, seed=100 + V, R=R, T=T)
     kw = dict(temperature=torch.full((R,), T), seed=torch.full((R,), 12345 + V),
               stream=torch.arange(R), round_=torch.zeros(R, dtype=torch.int64))
-    acc, out = ops.rejection_sample(
+    acc, out, _ = ops.rejection_sample(
         t_row.float().repeat(R, 1), torch.arange(0, 2 * R + 1, 2, dtype=torch.int32), x[:, None],
         z.float().expand(R, 1, V).contiguous(), torch.logsumexp(z.float().double() / T, -1).float().expand(R, 1).contiguous(),
         backend="cpp", **kw)
@@ -571,7 +625,7 @@ def test_rejection_coupled_plain_step():
     output index n0 + 1 (round n0 + 1, purpose coupled, position 0), on both backends."""
     kw = oc.rejection_inputs(oc.RejectionCase(6, 0, 300, "zero", "sampled", coupled="all"))
     for backend in ("cpp", "reference"):
-        _, out = _rejection(kw, backend)
+        _, out, _ = _rejection(kw, backend)
         for r in range(6):
             g = philox.gumbel(kw["seed"][r], kw["stream"][r], kw["round_"][r] + 1,
                               philox.PURPOSE_COUPLED, 0, torch.arange(300))
@@ -622,6 +676,10 @@ def test_bad_inputs_rejection():
     _raises(lambda: run(draft_lse=kw["draft_lse"].double()), "draft_lse")
     _raises(lambda: run(draft_logits=kw["draft_logits"][:, :2]), "draft_logits")
     _raises(lambda: run(target_logits=kw["target_logits"].half()), "dtype", "float16")
+    _raises(lambda: run(draft_logits=kw["draft_logits"].half()), "draft_logits", "float16")
+    _raises(lambda: run(target_logits=kw["target_logits"].bfloat16(),
+                        draft_logits=kw["draft_logits"].double()), "draft_logits", "float64")
+    _raises(lambda: run(target_logits=kw["target_logits"].int()), "target_logits", "int32")
 
 
 def test_bad_inputs_attention_and_topk():

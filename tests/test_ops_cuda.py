@@ -225,13 +225,57 @@ def test_rejection_sample(case, dtype):
     for key in range(2):
         kw = oc.rejection_inputs(case, DEV, dtype, key=key)
         where = oc.where(case, key)
-        acc, out = _rejection(kw, "cuda")
-        racc, rout = _rejection(kw, "reference")
+        acc, out, failed = _rejection(kw, "cuda")
+        racc, rout, rfailed = _rejection(kw, "reference")
         assert torch.equal(acc.cpu(), racc.cpu()), (acc, racc, where)
         assert torch.equal(out.cpu(), rout.cpu()), (out, rout, where)
+        assert not failed.any() and not rfailed.any(), where
         if dtype == F32 and _has_cpp():
-            cacc, cout = _rejection(_cpu(kw), "cpp")
+            cacc, cout, _ = _rejection(_cpu(kw), "cpp")
             assert torch.equal(cacc, acc.cpu()) and torch.equal(cout, out.cpu()), where
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", REJECTION_CASES, ids=str)
+def test_rejection_16bit_target_logits(case, dtype):
+    """A 16-bit model's verify logits as they are, under float32 drafts: widened on load, the
+    tokens are those of the widened copy and of the reference, exactly."""
+    for key in range(2):
+        kw = oc.rejection_inputs(case, DEV, F32, key=key)
+        half = {**kw, "target_logits": kw["target_logits"].to(dtype)}
+        wide = {**kw, "target_logits": half["target_logits"].float()}
+        got, cast, ref = _rejection(half, "cuda"), _rejection(wide, "cuda"), _rejection(half, "reference")
+        for a, b, c in zip(got, cast, ref):
+            assert torch.equal(a.cpu(), b.cpu()) and torch.equal(a.cpu(), c.cpu()), oc.where(case, key)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [RC(9, 3, 20000, "random", "mixed", "random", coupled="mixed"),
+                                  RC(6, 7, 151936, "full", "sampled"), RC(5, 0, 9000, "zero", "greedy")],
+                         ids=str)
+def test_rejection_failed_rows(case, dtype):
+    """failed[r] (NaN or +inf in one of r's rows; -inf is a masked entry) comes out of the row
+    pass, over every chunk of a row; rows past cu_rows[R] belong to no request."""
+    import random
+    fails = oks = 0
+    for key in range(3):
+        kw = oc.rejection_inputs(case, DEV, F32, key=key)
+        t = torch.cat([kw["target_logits"], torch.zeros(2, case.V, device=DEV)]).to(dtype)
+        cu, rng = kw["cu_rows"].tolist(), random.Random(key)
+        want = [False] * case.R
+        for i in range(t.shape[0]):
+            if rng.random() < 0.35:
+                v = rng.choice([math.nan, math.inf, -math.inf])
+                t[i, rng.randrange(case.V)] = v
+                r = next((r for r in range(case.R) if cu[r] <= i < cu[r + 1]), None)
+                if r is not None and v != -math.inf:
+                    want[r] = True
+        kw["target_logits"] = t
+        fails, oks = fails + sum(want), oks + want.count(False)
+        for backend in ("cuda", "reference"):
+            failed = _rejection(kw, backend)[2]
+            assert failed.cpu().tolist() == want, (backend, oc.where(case, key))
+    assert fails and oks
 
 
 @pytest.mark.parametrize("case", [c for c in REJECTION_CASES if c.drafts == "shifted"], ids=str)
@@ -242,8 +286,8 @@ def test_rejection_cold_residual(case):
     margin lost the reference's token in about one residual sweep in ten."""
     for key in range(2, 14):
         kw = oc.rejection_inputs(case, DEV, F32, key=key)
-        acc, out = _rejection(kw, "cuda")
-        racc, rout = _rejection(kw, "reference")
+        acc, out, _ = _rejection(kw, "cuda")
+        racc, rout, _ = _rejection(kw, "reference")
         assert torch.equal(acc.cpu(), racc.cpu()) and torch.equal(out.cpu(), rout.cpu()), oc.where(case, key)
 
 
@@ -459,6 +503,11 @@ _SANITIZE_SCRIPT = textwrap.dedent("""
             kw = oc.rejection_inputs(c, "cuda", dt)
             ops.rejection_sample(*[kw.pop(k) for k in ("target_logits", "cu_rows", "draft_tokens",
                                                        "draft_logits", "draft_lse")], backend="cuda", **kw)
+            if dt == torch.float32:  # also bf16 target logits under float32 drafts (served)
+                kw = oc.rejection_inputs(c, "cuda", dt)
+                kw["target_logits"] = kw["target_logits"].bfloat16()
+                ops.rejection_sample(*[kw.pop(k) for k in ("target_logits", "cu_rows", "draft_tokens",
+                                                           "draft_logits", "draft_lse")], backend="cuda", **kw)
         for c in (oc.AttentionCase((2, 1), (300, 40), 8, 2, 128, 16), oc.AttentionCase((3,), (1100,), 4, 2, 64, 16),
                   oc.AttentionCase((2,), (30,), 4, 2, 32, 8)):
             kw = oc.attention_inputs(c, "cuda", dt)

@@ -284,7 +284,7 @@ def first_tokens(sched, n_rounds=4000, seed=11):
     cu_rows[1:] = torch.cumsum(ell + 1, 0)
     target = torch.log(torch.tensor(P_TARGET)).repeat(int(cu_rows[-1]), 1)
     draft_logits = torch.log(torch.tensor(Q_DRAFT)).expand(n_rounds, 2, 2).contiguous()
-    _, out = ops.rejection_sample(
+    _, out, _ = ops.rejection_sample(
         target, cu_rows, drafts, draft_logits, torch.zeros(n_rounds, 2),
         temperature=torch.ones(n_rounds), seed=torch.full((n_rounds,), seed, dtype=torch.int64),
         stream=torch.arange(n_rounds), round_=torch.zeros(n_rounds, dtype=torch.int64))

@@ -21,9 +21,11 @@ def test_accept_emits_drafts_then_the_targets_greedy_token():
     lengths = torch.tensor([4, 1, 0])
     cu = torch.tensor([0, 5, 7, 8], dtype=torch.int32)
     logits = torch.randn(8, 11, dtype=torch.float64)
-    acc, out = syn.accept(drafts, lengths, logits, cu)
+    logits[6, 3] = float("nan")  # request 1's last row
+    acc, out, failed = syn.accept(drafts, lengths, logits, cu)
     assert acc.tolist() == [2, 1, 0]  # position 3 always rejects; lengths cap the others
-    best = logits.argmax(-1)
+    assert failed.tolist() == [False, True, False]
+    best = logits.argmax(-1)  # a NaN row: torch takes the NaN
     assert out.tolist() == [[5, 6, int(best[2]), -1, -1], [1, int(best[6]), -1, -1, -1],
                             [int(best[7]), -1, -1, -1, -1]]
 
@@ -59,7 +61,7 @@ class _CountsAllSuccesses(SyntheticAcceptance):
         out = torch.full((R, gamma + 1), -1, dtype=torch.int64)
         out[:, :gamma] = torch.where(k < a[:, None], drafts, -1)
         out.scatter_(1, a[:, None], y[:, None])
-        return a.int(), out
+        return a.int(), out, torch.zeros(R, dtype=torch.bool)
 
 
 def test_accepted_counts_follow_the_given_distribution(tiny_target, tiny_drafters):

@@ -4,7 +4,10 @@
 // through its log-sum-exp alone (one pass), P_k(x) and q_k(x) are single exps, and only the
 // final emit makes one more pass over V (the residual max(0, P - q), or the bonus row) with
 // the pruned Gumbel-max scan of kernel_util.h. All scores are float64, like the reference's.
+// Target logits may be bfloat16 under float32 drafts (widened on load, exactly). Every verified
+// row is checked for NaN / +inf first (the request's `failed`), while it is hot for its pass.
 #include <algorithm>
+#include <limits>
 
 #include "cpu/kernel_util.h"
 #include "rejection_sample.h"
@@ -18,7 +21,7 @@ constexpr int64_t kSlice = 512;  // elements per pass slice (a multiple of 4: Ph
 template <class T>
 DSPARK_ALWAYS_INLINE int64_t RowArgmax(const T* row, int64_t V) {
   ArgPart a;
-  for (int64_t v = 0; v < V; ++v) a.Offer(static_cast<double>(row[v]), v);
+  for (int64_t v = 0; v < V; ++v) a.Offer(static_cast<double>(Widen(row[v])), v);
   return a.Index();
 }
 
@@ -29,7 +32,7 @@ DSPARK_ALWAYS_INLINE double RowLse(const T* row, int64_t V, double t) {
   LsePart total;
   for (int64_t v0 = 0; v0 < V; v0 += kSlice) {
     const int64_t n = std::min(kSlice, V - v0);
-    for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(row[v0 + j]) / t;
+    for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(Widen(row[v0 + j])) / t;
     total.Merge(LseSlice(zt, n, w));
   }
   return total.Value();
@@ -42,7 +45,7 @@ DSPARK_ALWAYS_INLINE int64_t EmitFromRow(const NoiseSite& site, const T* row, in
   ArgPart best;
   for (int64_t v0 = 0; v0 < V; v0 += kSlice) {
     const int64_t n = std::min(kSlice, V - v0);
-    for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(row[v0 + j]) / t;
+    for (int64_t j = 0; j < n; ++j) zt[j] = static_cast<double>(Widen(row[v0 + j])) / t;
     const LsePart part = LseSlice(zt, n, w);
     GumbelArgmax(site.key, site.purpose, site.position, v0, n, w, part.m,
                  [&](int64_t j) { return zt[j]; }, best);
@@ -52,16 +55,16 @@ DSPARK_ALWAYS_INLINE int64_t EmitFromRow(const NoiseSite& site, const T* row, in
 
 // argmax_v(log max(0, P(v) - q(v)) + gumbel(emit, position, v)) with
 // P = exp(row / t - lse_p), q = exp(draft / t - lse_q): the token after a rejection.
-template <class T>
+template <class T, class D>
 DSPARK_ALWAYS_INLINE int64_t EmitFromResidual(const PhiloxKey& key, uint32_t position,
-                                              const T* row, double lse_p, const T* draft,
+                                              const T* row, double lse_p, const D* draft,
                                               double lse_q, int64_t V, double t) {
   double resid[kSlice];
   ArgPart best;
   for (int64_t v0 = 0; v0 < V; v0 += kSlice) {
     const int64_t n = std::min(kSlice, V - v0);
     for (int64_t j = 0; j < n; ++j) {
-      const double pv = ExpD(static_cast<double>(row[v0 + j]) / t - lse_p);
+      const double pv = ExpD(static_cast<double>(Widen(row[v0 + j])) / t - lse_p);
       const double qv = ExpD(static_cast<double>(draft[v0 + j]) / t - lse_q);
       const double d = pv - qv;
       resid[j] = d > 0.0 ? d : 0.0;  // NaN -> 0: log 0 = -inf never wins, like NaN
@@ -73,12 +76,24 @@ DSPARK_ALWAYS_INLINE int64_t EmitFromResidual(const PhiloxKey& key, uint32_t pos
   return best.Index();
 }
 
-// Request r; draft_lse has the element type T too (float64 iff the logits are).
+// Whether a row holds NaN or +inf: its maximum is then not below +inf. One branch-free pass.
 template <class T>
+DSPARK_ALWAYS_INLINE bool RowFails(const T* row, int64_t V) {
+  bool bad = false;
+  for (int64_t v = 0; v < V; ++v) bad |= !(Widen(row[v]) < std::numeric_limits<float>::infinity());
+  return bad;
+}
+
+// Request r: target rows of element type T (float, double or bfloat16 bits), draft logits and
+// draft_lse of type D (float64 iff the target's is).
+template <class T, class D>
 DSPARK_ALWAYS_INLINE void RequestImpl(const RejectionSampleParams& p, int64_t r) {
   const int64_t V = p.V, gamma = p.gamma;
   const int64_t lo = p.cu_rows[r], ell = p.cu_rows[r + 1] - lo - 1;
   const T* rows = static_cast<const T*>(p.target_logits) + lo * V;
+  bool failed = false;
+  for (int64_t k = 0; k <= ell; ++k) failed |= RowFails(rows + k * V, V);
+  p.failed[r] = failed;
   const int64_t* drafts = p.draft_tokens + r * gamma;
   int64_t* out = p.out_tokens + r * (gamma + 1);
   int64_t a = 0, y = 0;
@@ -102,11 +117,11 @@ DSPARK_ALWAYS_INLINE void RequestImpl(const RejectionSampleParams& p, int64_t r)
     bool rejected = false;
     for (; a < ell; ++a) {
       const T* row = rows + a * V;
-      const T* draft = static_cast<const T*>(p.draft_logits) + (r * gamma + a) * V;
-      const double lse_q = static_cast<double>(static_cast<const T*>(p.draft_lse)[r * gamma + a]);
+      const D* draft = static_cast<const D*>(p.draft_logits) + (r * gamma + a) * V;
+      const double lse_q = static_cast<double>(static_cast<const D*>(p.draft_lse)[r * gamma + a]);
       const double lse_p = RowLse(row, V, t);
       const int64_t x = drafts[a];
-      const double px = std::exp(static_cast<double>(row[x]) / t - lse_p);
+      const double px = std::exp(static_cast<double>(Widen(row[x])) / t - lse_p);
       const double qx = std::exp(static_cast<double>(draft[x]) / t - lse_q);
       const uint32_t pos = static_cast<uint32_t>(a + 1);
       const double u = WordToUniform(PhiloxWord(key, kPurposeAccept, pos, 0));
@@ -124,19 +139,26 @@ DSPARK_ALWAYS_INLINE void RequestImpl(const RejectionSampleParams& p, int64_t r)
 }
 
 DSPARK_CPU_CLONES void Request32(const RejectionSampleParams& p, int64_t r) {
-  RequestImpl<float>(p, r);
+  RequestImpl<float, float>(p, r);
 }
 DSPARK_CPU_CLONES void Request64(const RejectionSampleParams& p, int64_t r) {
-  RequestImpl<double>(p, r);
+  RequestImpl<double, double>(p, r);
+}
+DSPARK_CPU_CLONES void RequestBf16(const RejectionSampleParams& p, int64_t r) {
+  RequestImpl<uint16_t, float>(p, r);
 }
 
 Status Validate(const RejectionSampleParams& p) {
   if (p.R < 0 || p.gamma < 0 || p.V < 0) return Status::kBadArgument;
-  if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat64) return Status::kUnsupported;
-  if (p.lse_dtype != p.dtype) return Status::kBadArgument;  // float64 iff dtype is float64
+  const bool same = p.dtype == p.draft_dtype &&
+                    (p.dtype == DType::kFloat32 || p.dtype == DType::kFloat64);
+  if (!same && !(p.dtype == DType::kBFloat16 && p.draft_dtype == DType::kFloat32)) {
+    return Status::kUnsupported;
+  }
+  if (p.lse_dtype != p.draft_dtype) return Status::kBadArgument;  // the draft logits' type
   if (p.R == 0) return Status::kOk;
   if (p.V < 1 || !p.target_logits || !p.cu_rows || !p.temperature || !p.seed || !p.stream ||
-      !p.round || !p.num_accepted || !p.out_tokens) {
+      !p.round || !p.num_accepted || !p.out_tokens || !p.failed) {
     return Status::kBadArgument;
   }
   if (p.gamma > 0 && (!p.draft_tokens || !p.draft_logits || !p.draft_lse)) {
@@ -162,6 +184,8 @@ Status RejectionSampleCpu(const RejectionSampleParams& p) {
   const bool par = p.V * (p.gamma + 1) > (1 << 12);
   if (p.dtype == DType::kFloat64) {
     ParallelFor(p.R, par, [&](int64_t r) { Request64(p, r); });
+  } else if (p.dtype == DType::kBFloat16) {
+    ParallelFor(p.R, par, [&](int64_t r) { RequestBf16(p, r); });
   } else {
     ParallelFor(p.R, par, [&](int64_t r) { Request32(p, r); });
   }

@@ -13,6 +13,10 @@
 //   3. FinishKernel, thread = request: merges the residual partials into y.
 // Coupled requests (DESIGN §2) decide like greedy ones, x_k == y_k, on their rows' Gumbel argmaxes
 // and never sweep a residual.
+// The NaN / +inf check of every verified row (the request's `failed`) rides on launch 1's one
+// pass: no separate sweep of the logits. Target logits may be 16-bit under float32 drafts (a
+// bf16 model's verify output as it is: widened in registers, exactly as a cast would), which
+// halves launch 1's bytes and saves the cast's read and write.
 // Splitting rows into fixed-size chunks (rather than one block per request) keeps the Gumbel
 // work of a single request spread over many SMs: at R = 1 a one-block sweep of 152k entries
 // would take tens of microseconds of Philox and logs. The chunk size is a constant, so results
@@ -36,6 +40,7 @@ struct RowStat {
   int idx;
   float m;      // log-sum-exp part (sampling.cuh)
   double s;
+  int bad;      // the chunk holds NaN or +inf
 };
 
 struct Args {
@@ -51,11 +56,12 @@ struct Args {
   const uint8_t* coupled;       // [R] or null
   int32_t* num_accepted;
   int64_t* out_tokens;  // [R, gamma + 1]
+  uint8_t* failed;      // [R]
   RowStat* stats;       // [R, gamma + 1, C]
   RowStat* resid;       // [R, C]
   int* decision;        // [R] row of the rejection, or -1
   int R, gamma, V, C;
-  bool vec;             // rows allow 4-element vector loads
+  bool vec_t, vec_d;    // target / draft rows allow 4-element vector loads
 };
 
 __device__ __forceinline__ PhiloxKey KeyOf(const Args& a, int r) {
@@ -122,9 +128,11 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
   LogSumExp lse;
   lse.Init();
   float best_f = -kInfF;
+  bool bad = false;  // NaN or +inf seen (LoadQuad pads with -inf, which is neither)
   for (int v = c * kChunk + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
     const int nvalid = min(4, v_end - v);
-    const float4 x = LoadQuad(row, v, nvalid, a.vec);
+    const float4 x = LoadQuad(row, v, nvalid, a.vec_t);
+    bad |= !(x.x < kInfF) | !(x.y < kInfF) | !(x.z < kInfF) | !(x.w < kInfF);
     if (greedy) {
       const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -137,8 +145,9 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
       lse.Add4(x, inv_t);
     }
   }
+  const int any_bad = __syncthreads_or(bad);
   BlockMerge(am, lse, inv_t);
-  if (threadIdx.x == 0) a.stats[static_cast<int64_t>(ra) * a.C + c] = RowStat{am.best, am.idx, lse.m, lse.s};
+  if (threadIdx.x == 0) a.stats[static_cast<int64_t>(ra) * a.C + c] = RowStat{am.best, am.idx, lse.m, lse.s, any_bad};
 }
 
 // ---- 2: acceptance tests and the residual sweep ----------------------------------------------
@@ -152,23 +161,27 @@ __device__ __forceinline__ float ErrBound(float a1, float c) {
 constexpr int kMaxRows = 64;  // gamma + 1 rows of one request (the launcher checks gamma < 64)
 
 // Merges the C chunk partials of one row with the lanes of a warp, in a fixed tree order.
-__device__ __forceinline__ void WarpMergeRow(const RowStat* st, int C, float inv_t, ArgMax& am, LogSumExp& lse) {
+// Returns whether any chunk of the row holds NaN or +inf (every lane gets it).
+__device__ __forceinline__ bool WarpMergeRow(const RowStat* st, int C, float inv_t, ArgMax& am, LogSumExp& lse) {
   const int lane = threadIdx.x & 31;
   am.Init();
   lse.Init();
+  bool bad = false;
   for (int c = lane; c < C; c += 32) {
     const RowStat s = st[c];
     am.Merge(ArgMax{s.best, s.idx});
     lse.Merge(LogSumExp{s.m, s.s}, inv_t);
+    bad |= s.bad != 0;
   }
   am.WarpMerge();
   lse.WarpMerge(inv_t);
+  return __any_sync(0xffffffffu, bad);
 }
 
-template <class T>
+template <class T, class D>
 __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   __shared__ int arg_s[kMaxRows];
-  __shared__ unsigned char ok_s[kMaxRows];
+  __shared__ unsigned char ok_s[kMaxRows], bad_s[kMaxRows];
   __shared__ double lse_row[kMaxRows];
   __shared__ float m_row[kMaxRows], logs_row[kMaxRows];
   __shared__ int a_s, y_s, rejected_s;
@@ -181,6 +194,7 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
       if (threadIdx.x == 0) {
         a.num_accepted[r] = 0;
         a.decision[r] = -1;
+        a.failed[r] = 1;
       }
     }
     return;
@@ -195,15 +209,16 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   const PhiloxKey key = KeyOf(a, r);
   const RowStat* st = a.stats + static_cast<int64_t>(r) * G1 * a.C;
   const T* target = static_cast<const T*>(a.target);
-  const T* draft = static_cast<const T*>(a.draft_logits);
+  const D* draft = static_cast<const D*>(a.draft_logits);
 
   // Every row's merged partials and acceptance test at once (warp = row), so the sequential
   // part below is arithmetic on shared memory. Every block of the request computes the same.
   for (int k = warp; k <= ell; k += kWarps) {
     ArgMax am;
     LogSumExp lse;
-    WarpMergeRow(st + k * a.C, a.C, inv_t, am, lse);
+    const bool bad = WarpMergeRow(st + k * a.C, a.C, inv_t, am, lse);
     if (lane == 0) {
+      bad_s[k] = bad;
       arg_s[k] = am.idx;
       m_row[k] = lse.m;
       logs_row[k] = static_cast<float>(log(lse.s));
@@ -245,6 +260,9 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
     if (threadIdx.x == 0) {
       a.num_accepted[r] = acc;
       a.decision[r] = rejected ? acc : -1;
+      unsigned char failed = 0;
+      for (int k = 0; k <= ell; ++k) failed |= bad_s[k];
+      a.failed[r] = failed;
     }
   }
   if (!rejected) return;
@@ -265,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   const double ld = static_cast<double>(a.draft_lse[dk]);
   const float cq = static_cast<float>(ld - static_cast<double>(m_t) / td);  // q = exp((z - m_t) / T - cq)
   const T* trow = target + static_cast<int64_t>(lo + acc) * a.V;
-  const T* drow = draft + dk * a.V;
+  const D* drow = draft + dk * a.V;
   const uint32_t pos = static_cast<uint32_t>(acc + 1);
   const int v_end = min(a.V, (c + 1) * kChunk);
   ArgMax am;
@@ -273,8 +291,8 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   float best_f = -kInfF;
   for (int v = c * kChunk + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
     const int nvalid = min(4, v_end - v);
-    const float4 x4 = LoadQuad(trow, v, nvalid, a.vec);
-    const float4 z4 = LoadQuad(drow, v, nvalid, a.vec);
+    const float4 x4 = LoadQuad(trow, v, nvalid, a.vec_t);
+    const float4 z4 = LoadQuad(drow, v, nvalid, a.vec_d);
     const float xs[4] = {x4.x, x4.y, x4.z, x4.w}, zs[4] = {z4.x, z4.y, z4.z, z4.w};
     float ub[4];  // upper bounds of log(P - q); -inf: certainly zero residual
     float ub_max = -kInfF;
@@ -312,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   LogSumExp unused;
   unused.Init();
   BlockMerge(am, unused, 1.f);
-  if (threadIdx.x == 0) a.resid[static_cast<int64_t>(r) * a.C + c] = RowStat{am.best, am.idx, -kInfF, 0.0};
+  if (threadIdx.x == 0) a.resid[static_cast<int64_t>(r) * a.C + c] = RowStat{am.best, am.idx, -kInfF, 0.0, 0};
 }
 
 // ---- 3: the residual token ---------------------------------------------------------------------
@@ -328,7 +346,8 @@ __global__ void __launch_bounds__(kThreads) FinishKernel(Args a) {
   if ((threadIdx.x & 31) == 0) a.out_tokens[static_cast<int64_t>(r) * (a.gamma + 1) + k] = am.idx < a.V ? am.idx : 0;
 }
 
-template <class T>
+// T: the target logits' element type, D: the draft logits' (T, or float under 16-bit T).
+template <class T, class D>
 Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
   Args a{};
   a.target = p.target_logits;
@@ -343,12 +362,13 @@ Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
   a.coupled = p.coupled;
   a.num_accepted = p.num_accepted;
   a.out_tokens = p.out_tokens;
+  a.failed = p.failed;
   a.R = static_cast<int>(p.R);
   a.gamma = static_cast<int>(p.gamma);
   a.V = static_cast<int>(p.V);
   a.C = static_cast<int>(CeilDiv(p.V, kChunk));
-  a.vec = p.V % 4 == 0 && Aligned(p.target_logits, 4 * sizeof(T)) &&
-          (p.gamma == 0 || Aligned(p.draft_logits, 4 * sizeof(T)));
+  a.vec_t = p.V % 4 == 0 && Aligned(p.target_logits, 4 * sizeof(T));
+  a.vec_d = p.V % 4 == 0 && (p.gamma == 0 || Aligned(p.draft_logits, 4 * sizeof(D)));
   Scratch scratch(stream);
   Status st;
   if ((st = scratch.Get(static_cast<size_t>(a.R) * (a.gamma + 1) * a.C, &a.stats)) != Status::kOk) return st;
@@ -356,7 +376,7 @@ Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
   if ((st = scratch.Get(static_cast<size_t>(a.R), &a.decision)) != Status::kOk) return st;
   RowStatsKernel<T><<<dim3(a.R * (a.gamma + 1), a.C), kThreads, 0, stream>>>(a);
   if ((st = LaunchStatus()) != Status::kOk) return st;
-  DecideKernel<T><<<dim3(a.R, a.C), kThreads, 0, stream>>>(a);
+  DecideKernel<T, D><<<dim3(a.R, a.C), kThreads, 0, stream>>>(a);
   if ((st = LaunchStatus()) != Status::kOk) return st;
   FinishKernel<<<static_cast<unsigned>(CeilDiv(a.R, kWarps)), kThreads, 0, stream>>>(a);
   return LaunchStatus();
@@ -374,14 +394,20 @@ Status RejectionSampleCuda(const RejectionSampleParams& p, void* stream) {
   if (p.V > 65535ll * kChunk || p.R * (p.gamma + 1) > (1ll << 30)) return Status::kBadArgument;
   if (p.gamma + 1 > kMaxRows) return Status::kUnsupported;
   if (!p.target_logits || !p.cu_rows || !p.temperature || !p.seed || !p.stream || !p.round ||
-      !p.num_accepted || !p.out_tokens) {
+      !p.num_accepted || !p.out_tokens || !p.failed) {
     return Status::kBadArgument;
   }
   if (p.gamma > 0 && (!p.draft_tokens || !p.draft_logits || !p.draft_lse)) return Status::kBadArgument;
   if (p.dtype != DType::kFloat64 && p.lse_dtype != DType::kFloat32) return Status::kBadArgument;
   const cudaStream_t stream_ = AsStream(stream);
   DeviceGuard guard(stream_);
-  DSPARK_DISPATCH_FLOAT(p.dtype, return Launch<scalar_t>(p, stream_););
+  if (p.draft_dtype == p.dtype) {
+    DSPARK_DISPATCH_FLOAT(p.dtype, return Launch<scalar_t, scalar_t>(p, stream_););
+  } else if (p.draft_dtype == DType::kFloat32 && p.dtype == DType::kBFloat16) {
+    return Launch<__nv_bfloat16, float>(p, stream_);
+  } else if (p.draft_dtype == DType::kFloat32 && p.dtype == DType::kFloat16) {
+    return Launch<__half, float>(p, stream_);
+  }
   return Status::kUnsupported;
 }
 

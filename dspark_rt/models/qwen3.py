@@ -206,17 +206,19 @@ class Qwen3Model(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] (after the final norm) -> logits [..., V], float32 (float64 models:
-        float64). The product runs in the model dtype, as in transformers."""
+    def lm_head(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """hidden [..., d] (after the final norm) -> logits [..., V] in dtype, by default float32
+        (float64 models: float64). The product runs in the model dtype, as in transformers, so
+        dtype = the model's own is the product as it is (no cast)."""
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden.to(w.dtype), w).to(acc_dtype(w.dtype))
+        return F.linear(hidden.to(w.dtype), w).to(dtype or acc_dtype(w.dtype))
 
     @torch.no_grad()
     def forward(self, input_ids, positions, meta: AttnMeta, cache: PagedKVCache,
-                capture_layers=None, logits_rows=None):
+                capture_layers=None, logits_rows=None, logits_dtype=None):
         """input_ids, positions [N] int64 (flat ragged batch); K/V of the new tokens go to the
-        cache at meta.slot_mapping. Returns logits [len(logits_rows) or N, V] (see lm_head) and
+        cache at meta.slot_mapping. Returns logits [len(logits_rows) or N, V] (in logits_dtype:
+        see lm_head) and
         features [N, m * d] in the model dtype: the outputs of decoder layers capture_layers
         (-1: the embedding output), concatenated in the given order; None without capture_layers.
         """
@@ -236,4 +238,4 @@ class Qwen3Model(nn.Module):
         features = torch.cat([captured[l] for l in capture], dim=-1) if capture else None
         if logits_rows is not None:
             h = h[logits_rows]
-        return self.lm_head(self.norm(h)), features
+        return self.lm_head(self.norm(h), logits_dtype), features

@@ -121,6 +121,49 @@ def _coupled(op, coupled, R, dev):
     return tensor(op, "coupled", coupled, dtypes=(torch.bool, torch.uint8), shape=(R,), device=dev)
 
 
+# rejection_sample's target logits may be 16-bit under float32 draft logits (a 16-bit model's
+# verify output served as it is, widened exactly on load): (target, draft) pairs each backend
+# takes besides equal dtypes.
+_REJECTION_MIXED = {
+    "reference": {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)},
+    "cpp": {(torch.bfloat16, torch.float32)},
+    "cuda": {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)},
+}
+
+
+def _rejection_backend(device: torch.device, backend, tdt, ddt):
+    """rejection_sample's backend for target logits of dtype tdt and draft logits of ddt (None:
+    no drafts, the target dtype alone): _backend's, falling back by default to the reference
+    where the kernel does not take the pair."""
+    op = "rejection_sample"
+    takes = lambda b: ((ddt in (None, tdt) and tdt in _float_dtypes(b))
+                       or (tdt, ddt or torch.float32) in _REJECTION_MIXED[b])
+    if not takes("reference"):
+        fail(op, f"draft_logits dtype {ddt} cannot serve {tdt} target logits: it must be the "
+                 f"target's dtype, or float32 under 16-bit target logits")
+    be = _backend(op, device, backend, None)
+    if not takes(be):
+        if backend is not None or os.environ.get("DSPARK_BACKEND"):
+            fail(op, f"backend {be!r} does not take target_logits dtype {tdt} with draft_logits dtype {ddt} "
+                     f"(it takes {[str(d) for d in _float_dtypes(be)]} with equal draft dtypes and "
+                     f"{sorted(f'{t} with {d}' for t, d in _REJECTION_MIXED[be])})")
+        be = "reference"
+    return be
+
+
+def takes_narrow_target(device, dtype) -> bool:
+    """Whether rejection_sample's default backend for `device` takes target logits of the 16-bit
+    `dtype` under float32 drafts in its kernel (else a caller had better widen them first: the
+    fallback is the reference)."""
+    device = torch.device(device)
+    be = "cuda" if device.type == "cuda" else "cpp"
+    forced = os.environ.get("DSPARK_BACKEND")
+    if forced:
+        be = forced
+    return be in available_backends() and be != "reference" and \
+        (dtype, torch.float32) in _REJECTION_MIXED[be]
+
+
 def _float_dtypes(backend):
     if backend == "reference":
         return (*_CPU_DTYPES, torch.float16, torch.bfloat16)
@@ -254,14 +297,18 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     then draft_logits / draft_lse may be None); draft_logits [R, gamma, V]; draft_lse [R, gamma].
     coupled [R] bool or uint8 (None: all false): requests accepted by the Gumbel-coupled rule,
     whose round_ holds the number of tokens they emitted so far.
-    Returns (num_accepted [R] int32, out_tokens [R, gamma + 1] int64, -1 padded).
+    target_logits may be 16-bit under float32 draft_logits (a 16-bit model's verify output as it
+    is: the kernels widen it on load, exactly as a cast would, and read half the bytes).
+    Returns (num_accepted [R] int32, out_tokens [R, gamma + 1] int64, -1 padded, failed [R] bool:
+    one of the request's rows holds NaN or +inf, so its tokens mean nothing and it fails alone).
     """
     op = "rejection_sample"
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
         fail(op, "target_logits must be a [N, V] tensor")
     dev = target_logits.device
     fdt = target_logits.dtype
-    be = _backend(op, dev, backend, fdt, "target_logits")
+    if fdt not in _float_dtypes("reference"):
+        fail(op, f"target_logits must be a float tensor, got {fdt}")
     target_logits = target_logits.contiguous()
     N, V = target_logits.shape
     cu_rows = tensor(op, "cu_rows", cu_rows, dtype=torch.int32, ndim=1, device=dev)
@@ -274,9 +321,14 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     gamma = draft_tokens.shape[1]
     tensor(op, "draft_tokens", draft_tokens, shape=(R, gamma))
     int_range(op, "draft_tokens", draft_tokens, 0, V)
+    ddt = None
     if gamma:
-        draft_logits = tensor(op, "draft_logits", draft_logits, dtype=fdt, shape=(R, gamma, V), device=dev)
-        lse_dt = torch.float64 if fdt == torch.float64 else torch.float32
+        draft_logits = tensor(op, "draft_logits", draft_logits, shape=(R, gamma, V), device=dev)
+        ddt = draft_logits.dtype
+    be = _rejection_backend(dev, backend, fdt, ddt)
+    ddt = ddt or (torch.float32 if fdt.itemsize == 2 else fdt)  # what drafts would be
+    lse_dt = torch.float64 if ddt == torch.float64 else torch.float32
+    if gamma:
         draft_lse = tensor(op, "draft_lse", draft_lse, dtype=lse_dt, shape=(R, gamma), device=dev)
     h_cu = values(cu_rows)
     if h_cu is not None and R > 0:
@@ -294,18 +346,20 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
                                           draft_lse, temperature, seed, stream, round_, coupled)
     num_acc = torch.zeros(R, dtype=torch.int32, device=dev)
     out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
+    failed = torch.empty(R, dtype=torch.bool, device=dev)
     p = _C.RejectionSampleParams()
     p.R, p.gamma, p.V = R, gamma, V
     p.dtype = _DTYPE_CODE[fdt]
-    p.lse_dtype = _DTYPE_CODE[torch.float64 if fdt == torch.float64 else torch.float32]
+    p.draft_dtype = _DTYPE_CODE[ddt]
+    p.lse_dtype = _DTYPE_CODE[lse_dt]
     p.target_logits, p.cu_rows, p.draft_tokens = _ptr(target_logits), _ptr(cu_rows), _ptr(draft_tokens)
     p.draft_logits = _ptr(draft_logits) if gamma else 0
     p.draft_lse = _ptr(draft_lse) if gamma else 0
     p.temperature, p.seed, p.stream, p.round = _ptr(temperature), _ptr(seed), _ptr(stream), _ptr(round_)
     p.coupled = _ptr(coupled)
-    p.num_accepted, p.out_tokens = _ptr(num_acc), _ptr(out)
+    p.num_accepted, p.out_tokens, p.failed = _ptr(num_acc), _ptr(out), _ptr(failed)
     _run("rejection_sample", p, be, dev)
-    return num_acc, out
+    return num_acc, out, failed
 
 
 def prefix_topk(survival, K: int, *, backend=None):

@@ -158,7 +158,9 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     far), sampled: y_k = argmax(row_{k-1} / T + g_{n0+k}) with g_n the coupled gumbel of output
     index n (philox.site); accept x_k iff x_k == y_k, emit y at the first disagreement, else
     y_{l+1}. The emitted tokens are those of seeded plain decoding, whatever l (DESIGN §2).
-    Returns num_accepted [R] int32 and out_tokens [R, gamma + 1] int64 (x_1..x_a, y, then -1).
+    target_logits may be 16-bit under float32 draft_logits (widened exactly, as every row is).
+    Returns num_accepted [R] int32, out_tokens [R, gamma + 1] int64 (x_1..x_a, y, then -1) and
+    failed [R] bool: one of the request's rows holds NaN or +inf (its tokens mean nothing).
     """
     R = cu_rows.shape[0] - 1
     gamma = draft_tokens.shape[1] if draft_tokens is not None else 0
@@ -166,11 +168,13 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     V = target_logits.shape[1]
     num_acc = torch.zeros(R, dtype=torch.int32, device=dev)
     out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
+    failed = torch.zeros(R, dtype=torch.bool, device=dev)
     vocab = torch.arange(V, device=dev)
     coupled = _coupled(coupled, R, dev)
     for r in range(R):
         lo, hi = int(cu_rows[r]), int(cu_rows[r + 1])
         rows = target_logits[lo:hi].to(torch.float64)
+        failed[r] = not bool((rows.amax(-1) < float("inf")).all())  # NaN or +inf in a row
         ell = hi - lo - 1
         T = float(temperature[r])
         key = (seed[r], stream[r], round_[r])
@@ -208,7 +212,7 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
         if a:
             out[r, :a] = draft_tokens[r, :a]
         out[r, a] = y
-    return num_acc, out
+    return num_acc, out, failed
 
 
 def prefix_topk(survival, K: int):

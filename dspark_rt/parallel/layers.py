@@ -69,13 +69,13 @@ class ShardedQwen3(Qwen3Model):
         return PagedKVCache(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads,
                             c.head_dim, self.dtype, self.device)
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def lm_head(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         logits = self.group.gather_last(F.linear(hidden.to(w.dtype), w))
         V = self.config.vocab_size
         if logits.shape[-1] != V:  # the last shard's padding rows
             logits = logits[..., :V].contiguous()
-        return logits.to(acc_dtype(w.dtype))
+        return logits.to(dtype or acc_dtype(w.dtype))
 
 
 def _row_parallel(layers, group: TPGroup):

@@ -121,7 +121,8 @@ class GraphRunner:
 
     target, drafter: the models (drafter None for plain decoding: verify only). capture_layers:
     the target layers whose outputs form the drafter features (None: no features). logits_dtype:
-    float32 (float64 for float64 models). head, head_weights, head_dtype: what ops.markov_sample
+    float32 (float64 for float64 models); verify_dtype: of the verify logits (default
+    logits_dtype; Runner.verify_dtype). head, head_weights, head_dtype: what ops.markov_sample
     takes (head_dtype: of the weights and the hidden states; default logits_dtype).
     max_pages: block-table columns the buffers hold. verify_buckets: total verify tokens;
     draft_buckets: batch sizes (both default to default_buckets of max_verify_tokens /
@@ -129,7 +130,7 @@ class GraphRunner:
     warmup: eager runs on a side stream before each capture.
     """
 
-    def __init__(self, target, drafter, *, capture_layers, logits_dtype, head="none",
+    def __init__(self, target, drafter, *, capture_layers, logits_dtype, verify_dtype=None, head="none",
                  head_weights=None, head_dtype=None, max_pages: int, max_batch: int = 64,
                  max_verify_tokens: int = 512, verify_buckets=None, draft_buckets=None,
                  capture: bool = True, warmup: int = 2):
@@ -140,6 +141,7 @@ class GraphRunner:
         self.target, self.drafter = target, drafter
         self.capture_layers = list(capture_layers) if capture_layers else None
         self.logits_dtype, self.head = logits_dtype, head
+        self.verify_dtype = verify_dtype or logits_dtype
         self.head_dtype = head_dtype or logits_dtype
         self.head_weights = dict(head_weights or {})
         if capture and warmup < 1:
@@ -171,6 +173,7 @@ class GraphRunner:
         # the widest block table: a chain or a drafter block reaching past the context's end
         reach = max(runner.gamma + 1, runner.block_size)
         args = dict(capture_layers=runner.capture, logits_dtype=runner.logits_dtype,
+                    verify_dtype=runner.verify_dtype,
                     head=runner.head, head_weights=runner.head_weights, head_dtype=runner.head_dtype,
                     max_pages=pages_for(runner.max_len + reach, runner.page_size),
                     max_batch=128,
@@ -283,15 +286,16 @@ class GraphRunner:
 
             def fn():
                 """(logits [n_b, V], features [n_b, m * d] or None) of the padded batch."""
-                return self.target.forward(ids, pos, meta, cache, capture_layers=self.capture_layers)
+                return self.target.forward(ids, pos, meta, cache, capture_layers=self.capture_layers,
+                                           logits_dtype=self.verify_dtype)
 
             self._verify[n_b] = _Bucket(fn)
         return self._verify[n_b]
 
     def verify(self, ids, positions, meta: AttnMeta, cache):
         """target.forward(ids, positions, meta, cache, capture_layers) for a verify batch: ids,
-        positions [N] int64 on the device, meta causal. Returns (logits [N, V] float32 (float64
-        models: float64), features [N, m * d] or None), bucketed when N, R and the block-table
+        positions [N] int64 on the device, meta causal. Returns (logits [N, V] in verify_dtype,
+        features [N, m * d] or None), bucketed when N, R and the block-table
         width fit, eager otherwise."""
         n, r, w = ids.shape[0], meta.kv_lens.shape[0], meta.block_tables.shape[1]
         n_b = self._pick(self.verify_buckets, n)
@@ -299,7 +303,8 @@ class GraphRunner:
                 or not meta.causal:
             self.stats["verify_eager"] += 1
             return self.target.forward(ids, positions, meta, cache,
-                                       capture_layers=self.capture_layers)
+                                       capture_layers=self.capture_layers,
+                                       logits_dtype=self.verify_dtype)
         self._bind(tcache=cache)
         self.vbuf.load(n_b, min(n_b, self.vbuf.max_batch), positions, meta, ids=ids)
         logits, feats = self._run(self._verify_bucket(n_b))

@@ -56,7 +56,7 @@ class Verify:
     meta: object
     lengths: list[int] | None        # host path
     cu: list[int] | None             # host path: rows of request r are cu[r] .. cu[r+1]-1
-    device: tuple | None = None      # device path: (lengths [R], survival, K, source, cap, owner)
+    device: tuple | None = None      # device path: (lengths [R], survival, K, source, caps)
 
 
 class Round:
@@ -181,8 +181,8 @@ class Round:
             cap = runner.upload(caps, torch.int64)
             lengths = policy.admit_on_device(survival, cap, gamma, K)
             n_rows = R + min(K, sum(caps))  # the verify size, known on the host
-            meta, pos, ids, owner = runner.meta_on_device(batch, lengths, n_rows, chains)
-            return Verify(ids, pos, meta, None, None, (lengths, survival, K, source, caps, owner))
+            meta, pos, ids = runner.meta_on_device(batch, lengths, n_rows, chains)
+            return Verify(ids, pos, meta, None, None, (lengths, survival, K, source, caps))
         c_hat = survival = None
         if policy.needs_confidence:
             c_hat, survival = calibration.apply(runner.to_host(conf))
@@ -218,13 +218,13 @@ class Round:
             if any(p.logprobs for p in batch.params):
                 raw = logits.clone()  # logprobs are the target's raw log-probabilities
             logits = runner.filter(batch, logits, plan.cu)
-        acc, out = self.sample(runner, draft, plan, logits, rng)
+        acc, out, failed = self.sample(runner, draft, plan, logits, rng)
         if plan.device is None:
-            acc, toks, failed, _ = runner.read_results(acc, out, logits, plan.cu)
+            acc, toks, failed, _ = runner.read_results(acc, out, failed)
             lengths, cu = plan.lengths, plan.cu
         else:
-            dev_lengths, survival, K, source, caps, owner = plan.device
-            acc, toks, failed, extra = runner.read_results(acc, out, logits, owner=owner,
+            dev_lengths, survival, K, source, caps = plan.device
+            acc, toks, failed, extra = runner.read_results(acc, out, failed,
                                                            extra=(dev_lengths, survival))
             lengths = extra[:, 0].long().tolist()
             cu = [0]
@@ -293,8 +293,8 @@ def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
     if any(batch.filtered):
         raw = logits.clone() if any(p.logprobs for p in batch.params) else logits
         logits = runner.filter(batch, logits, cu)
-    acc, out = ops.rejection_sample(logits, runner.upload(cu, torch.int32), None, None, None,
-                                    **runner.rng(batch))
-    _, toks, failed, _ = runner.read_results(acc, out, logits, cu)
+    acc, out, failed = ops.rejection_sample(logits, runner.upload(cu, torch.int32), None, None,
+                                            None, **runner.rng(batch))
+    _, toks, failed, _ = runner.read_results(acc, out, failed)
     return raw, toks, failed
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import ops
 from ..models.batch import AttnMeta
 from .batch import SeqBatch, pages_for
 from .forward import draft_forward
@@ -81,6 +82,12 @@ class Runner:
         self.block_size = drafter.block_size if mode != "ar" else 0
         self.capture = list(drafter.target_layer_ids) if mode != "ar" else None
         self.logits_dtype = torch.float64 if target.dtype == torch.float64 else torch.float32
+        # the verify forward's logits: a 16-bit model's product as it is where the acceptance
+        # kernel widens it on load (no cast pass: half the bytes written and read), else widened
+        self.verify_dtype = self.logits_dtype
+        if target.dtype in (torch.bfloat16, torch.float16) and \
+                ops.takes_narrow_target(self.device, target.dtype):
+            self.verify_dtype = target.dtype
         self.head = drafter.head if mode == "dspark" else "none"
         # the dtype of the head's weights and of the hidden states it reads (DESIGN §2 step 2)
         self.head_dtype = self.logits_dtype
@@ -177,7 +184,7 @@ class Runner:
         """Verify metadata when the lengths [R] (int64) stay on the device: request r verifies
         chains[r, :lengths[r] + 1] ([R, gamma + 1]: anchor then drafts) at positions kv_len.. .
         n_rows >= R + sum(lengths) is known on the host; rows past the real total are padding
-        (id 0, position 0, slot -1, owner -1). Returns (meta, positions, ids, owner)."""
+        (id 0, position 0, slot -1). Returns (meta, positions, ids)."""
         R, ps, g1 = len(batch), self.page_size, chains.shape[1]
         for pages, kv, c in zip(batch.target_pages, batch.kv_lens, batch.caps):
             self._check_pages(pages, kv + min(c, self.gamma) + 1, "target")
@@ -199,7 +206,7 @@ class Runner:
         slots = torch.where(valid, page * ps + pos % ps, -1)
         ids = torch.where(valid, chains.reshape(-1)[req_c * g1 + k.clamp(0, g1 - 1)], 0)
         meta = AttnMeta(cu.int(), (kv0 + counts).int(), tables.int(), slots, True)
-        return meta, pos, ids, torch.where(valid, req, -1)
+        return meta, pos, ids
 
     def rng(self, batch: SeqBatch) -> dict:
         """The ops' random keys (temperature, seed, stream, round_, coupled), in one upload."""
@@ -249,13 +256,11 @@ class Runner:
 
     def verify(self, ids, pos, meta: AttnMeta):
         """Step 5: the target's causal forward over the flat verify batch. Returns (logits [N, V]
-        in the logits dtype, features [N, m * d] or None)."""
+        in verify_dtype, features [N, m * d] or None)."""
         if self.graphs is not None:
-            logits, feats = self.graphs.verify(ids, pos, meta, self.tcache)
-        else:
-            logits, feats = self.target.forward(ids, pos, meta, self.tcache,
-                                                capture_layers=self.capture)
-        return logits.to(self.logits_dtype), feats
+            return self.graphs.verify(ids, pos, meta, self.tcache)
+        return self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture,
+                                   logits_dtype=self.verify_dtype)
 
     def context_update(self, page_lists, starts, counts, feats, row_starts):
         """Projects the target features of committed positions starts[r] .. +counts[r] (rows
@@ -274,36 +279,25 @@ class Runner:
     # -- sampling helpers --------------------------------------------------------------------
 
     def filter(self, batch: SeqBatch, logits, cu_rows: list[int]):
-        """Applies each request's top-k / top-p to its rows of target logits, in place."""
+        """Applies each request's top-k / top-p to its rows of target logits, in place. The
+        nucleus is that of the rows widened to logits_dtype (16-bit verify logits stay 16-bit:
+        the entries it keeps are untouched, the others -inf, as in the widened rows)."""
         for i, (p, on) in enumerate(zip(batch.params, batch.filtered)):
             if not on:
                 continue
             lo, hi = cu_rows[i], cu_rows[i + 1]
             rows = logits[lo:hi]
-            kept = filter_rows(rows / p.temperature, p.top_k, p.top_p)
+            kept = filter_rows(rows.to(self.logits_dtype) / p.temperature, p.top_k, p.top_p)
             logits[lo:hi] = rows.masked_fill(torch.isinf(kept) & ~torch.isinf(rows), float("-inf"))
         return logits
 
-    def read_results(self, acc, out, logits, cu: list[int] | None = None, owner=None, extra=()):
+    def read_results(self, acc, out, failed, extra=()):
         """One host copy of what the host needs from a round: accepted counts, emitted tokens,
-        whether a request's logits hold NaN or +inf (that request fails alone), and `extra`
-        per-request device tensors. Rows belong to requests by cu (host) or owner ([N] device,
-        -1 for padding rows). Returns (accepted, tokens, failed, extra columns [R, k] or None)."""
+        whether a request's logits hold NaN or +inf (failed [R], from rejection_sample's row pass:
+        that request fails alone), and `extra` per-request device tensors. Returns (accepted,
+        tokens, failed, extra columns [R, k] or None)."""
         R, g1 = acc.shape[0], out.shape[1]
-        # one pass over the rows: a row's maximum is NaN if it holds a NaN, +inf if a +inf
-        bad_rows = ~(logits.amax(-1) < float("inf"))
-        if owner is None and len(cu) == logits.shape[0] + 1 and cu[-1] == R:
-            bad = bad_rows.long()  # one row per request (plain decoding)
-        else:
-            if owner is None:
-                owner = self.upload(torch.repeat_interleave(torch.arange(R), torch.tensor(cu).diff()),
-                                    torch.int64)
-            else:
-                bad_rows = bad_rows & (owner >= 0)
-                owner = owner.clamp(min=0)
-            bad = torch.zeros(R, dtype=torch.int64, device=logits.device).index_add_(0, owner,
-                                                                                      bad_rows.long())
-        cols = [acc.long()[:, None], bad[:, None], out] + [e.reshape(R, -1) for e in extra]
+        cols = [acc.long()[:, None], failed.long()[:, None], out] + [e.reshape(R, -1) for e in extra]
         if extra:  # one float64 copy: ids and lengths are exact in it, survivals are float32
             host = self.to_host(torch.cat([c.double() for c in cols], 1))
         else:

@@ -68,8 +68,9 @@ class SyntheticAcceptance:
 
     def accept(self, drafts, lengths, logits, cu_rows):
         """drafts [R, gamma] int64, lengths [R] int64 (drafts verified), target logits [N, V] with
-        request r's rows cu_rows[r] .. (int32 [R + 1]). Returns num_accepted [R] int32 and
-        out_tokens [R, gamma + 1] int64 (x_1 .. x_a, y, then -1), as ops.rejection_sample."""
+        request r's rows cu_rows[r] .. (int32 [R + 1]). Returns num_accepted [R] int32,
+        out_tokens [R, gamma + 1] int64 (x_1 .. x_a, y, then -1) and failed [R] (NaN or +inf in
+        one of the request's rows), as ops.rejection_sample."""
         R, gamma = drafts.shape
         dev = drafts.device
         k = torch.arange(gamma, device=dev)
@@ -80,7 +81,10 @@ class SyntheticAcceptance:
         out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
         out[:, :gamma] = torch.where(k < a[:, None], drafts, -1)
         out.scatter_(1, a[:, None], y[:, None])
-        return a.int(), out
+        bad_rows = ~(logits.amax(-1) < float("inf"))
+        owner = torch.repeat_interleave(torch.arange(R, device=dev), (cu_rows[1:] - cu_rows[:-1]).long())
+        bad = torch.zeros(R, dtype=torch.int64, device=dev).index_add_(0, owner, bad_rows[: owner.numel()].long())
+        return a.int(), out, bad > 0
 
 
 class SyntheticRound(Round):
