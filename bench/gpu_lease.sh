@@ -30,9 +30,9 @@
 #   build            45     100   cmake configure + 5 .cu (markov_sample.cu alone: 18 s of one
 #                                 loaded core for sm_90a here) in parallel on 16 cores, one arch
 #   tests_ops        60     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
-#                                 ~250 cases, a few at 32k context / 32k vocabulary
+#                                 ~290 cases, a few at 32k context / 32k vocabulary
 #   tests_graphs     30      50   pytest -m gpu test_graphs.py test_greedy_equality.py
-#   kernels          90     130   bench/bench_kernels.py: 4 ops, 24 goal shapes, one process;
+#   kernels          95     130   bench/bench_kernels.py: 4 ops, 26 goal shapes, one process;
 #                                 each reference timing stops after 3 runs past 3 s; the
 #                                 FlexAttention compile (one shape) comes last; JSON per row
 #   e2e              70      80   bench_e2e.py qwen3-8b, accept 0.8, batch 1 32, 16 tokens,
