@@ -83,6 +83,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=positive(int), default=512)
     p.add_argument("--seq", type=positive(int), default=512, help="training sequence length")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the written weights")
+    p.add_argument("--init", type=_existing, default=None,
+                   help="a target folder to train further (its shape replaces the shape options)")
+    p.add_argument("--unlikelihood", type=positive(float, zero_ok=True), default=0.0,
+                   help="weight of the token-level unlikelihood term against repetition (0: off)")
     _corpus_args(p)
     _loop_args(p, steps=400, batch=8, lr=2e-3, warmup=30)
 
@@ -175,7 +179,8 @@ def _run(a) -> dict:
                      head_dim=a.head_dim, intermediate=a.intermediate, ctx=a.ctx, steps=a.steps,
                      batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup,
                      weight_decay=a.weight_decay, seed=a.seed, save_every=a.save_every,
-                     resume=a.resume, compile=a.compile, dtype=a.dtype)
+                     resume=a.resume, compile=a.compile, dtype=a.dtype, init=a.init,
+                     unlikelihood=a.unlikelihood)
     elif a.stage == "regen":
         from .regen import regenerate
         s = regenerate(a.target, a.out, corpus=a.corpus, max_bytes=a.max_bytes, num=a.num,

@@ -3,6 +3,8 @@
 
 Initialisation: every matrix N(0, 0.02^2), the residual outputs (o_proj, down_proj) scaled by
 1 / sqrt(2 * layers) as in GPT-2, norm weights 1. Embedding and LM head are tied (smaller files).
+Or init: the weights (and shape) of a target folder, to train it further, e.g. with the
+unlikelihood term (unlikelihood.py) that discourages greedy repetition loops.
 """
 import json
 import math
@@ -20,6 +22,7 @@ from .corpus import EOT, TokenStream, load_corpus
 from .dense import target_forward
 from .loop import train_loop
 from .tokenizer_train import load_tokenizer, special_ids
+from .unlikelihood import unlikelihood_loss
 
 __all__ = ["target_config", "init_target", "save_target", "pretrain"]
 
@@ -74,33 +77,52 @@ def save_target(model: Qwen3Model, cfg: dict, out, tokenizer_dir, dtype="bfloat1
 def pretrain(*, tokenizer_dir, out, corpus=None, max_bytes=6_000_000, hidden=256, layers=4,
              heads=4, kv_heads=2, head_dim=64, intermediate=768, ctx=512, steps=400, batch=8,
              seq=512, lr=2e-3, warmup=30, weight_decay=0.1, seed=0, save_every=50, resume=False,
-             compile=False, dtype="bfloat16", progress=True) -> dict:
-    """Trains the target and writes it to `out`; returns the loop summary (+ corpus stats)."""
+             compile=False, dtype="bfloat16", progress=True, init=None, unlikelihood=0.0) -> dict:
+    """Trains the target and writes it to `out`; returns the loop summary (+ corpus stats).
+    init: a target folder to start from (its shape wins over the shape arguments).
+    unlikelihood: weight alpha of the token-level unlikelihood term (0: plain cross-entropy)."""
     torch.manual_seed(seed)
     tok = load_tokenizer(tokenizer_dir)
+    if unlikelihood < 0:
+        raise ValueError(f"unlikelihood must be >= 0, got {unlikelihood}")
+    if init is not None:
+        with open(os.path.join(init, "config.json"), encoding="utf-8") as f:
+            cfg = {**json.load(f), "torch_dtype": dtype}
+        ctx = cfg["max_position_embeddings"]
+    else:
+        cfg = target_config(tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim, intermediate=intermediate, ctx=ctx, dtype=dtype)
     if seq > ctx:
         raise ValueError(f"--seq {seq} is longer than the model context {ctx}")
-    cfg = target_config(tok, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                        head_dim=head_dim, intermediate=intermediate, ctx=ctx, dtype=dtype)
+    if cfg["vocab_size"] != tok.get_vocab_size():
+        raise ValueError(f"init {init} has vocab_size {cfg['vocab_size']}, the tokenizer "
+                         f"{tok.get_vocab_size()}")
     model = init_target(cfg, seed)
+    if init is not None:
+        model.load_state_dict(Qwen3Model.from_pretrained(init, dtype="float32").state_dict())
     data = load_corpus(corpus, max_bytes=max_bytes, seed=seed)
     stream = TokenStream(data.train, tok, special_ids(tok)[EOT])
     V = cfg["vocab_size"]
 
     def loss_of(ids):
         logits, _, _ = target_forward(model, ids[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
+        ce = F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
+        if not unlikelihood:
+            return ce, ce
+        return ce + unlikelihood * unlikelihood_loss(logits, ids[:, :-1], ids[:, 1:]), ce
 
     fn = torch.compile(loss_of, dynamic=False) if compile else loss_of
 
     def step_fn(step):
-        return fn(stream.batch(step, seed, batch, seq + 1)), {}
+        loss, ce = fn(stream.batch(step, seed, batch, seq + 1))
+        return loss, ({"ce": ce.detach()} if unlikelihood else {})
 
     summary = train_loop(model, step_fn, out=out, steps=steps, lr=lr, warmup=warmup,
                          weight_decay=weight_decay, save_every=save_every, resume=resume,
                          export=lambda: save_target(model, cfg, out, tokenizer_dir, dtype),
                          desc="pretrain target", progress=progress)
-    summary.update(train_tokens=len(stream), train_bytes=data.train_bytes,
+    summary.update(train_tokens=len(stream), train_bytes=data.train_bytes, init=init,
+                   unlikelihood=unlikelihood,
                    tokens_seen=steps * batch * seq,
                    params=sum(p.numel() for p in model.parameters()))
     return summary
