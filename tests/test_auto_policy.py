@@ -321,3 +321,41 @@ def test_a_decision_is_reused_only_while_its_inputs_stand(plain_tokens):
     assert logs[0] == logs[1]
     decided = {entry[2] for entry in logs[1][0] if entry[0] == "s"}
     assert decided == {True, False}, logs[1][1]
+
+
+def test_a_new_request_is_explored_when_its_drafts_could_pay():
+    """The shared estimate says drafts rarely survive (other requests' text), and plain rounds
+    have backed exploring off: a request that joins alone still drafts in its first round,
+    because a speculative round of its drafts would pay clearly if they survived; its own
+    survivals then decide. In a batch of 32 where even that best case loses, new requests decode
+    plainly. A request is explored this way once."""
+    plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])
+    sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])
+    drafting = SPSProfile([1, 8, 32], [80.0, 15.0, 5.0])
+    pol = AutoPolicy(sps, plain, drafting, explore_every=16)
+    pol.estimate = np.full(7, 0.05)
+    pol._interval = 128  # backed off
+    pol.begin_round(["old"])
+    pol._tried.add("old")
+    assert not pol.speculates([7], 7)  # a request it explored before: the estimate decides
+    pol.begin_round(["new"])
+    assert pol.speculates([7], 7) and pol.needs_confidence and pol.draft_caps([7]) == [7]
+    pol.lengths(None, torch.full((1, 7), 0.95), torch.tensor([7]), 7)
+    pol.begin_round(["new"])
+    assert pol.speculates([7], 7)  # on its own estimate now
+    pol2 = AutoPolicy(sps, plain, drafting, explore_every=16)
+    pol2.estimate = np.full(7, 0.05)
+    pol2._interval = 128
+    pol2.begin_round([f"r{i}" for i in range(32)])
+    assert not pol2.speculates([7] * 32, 7)
+    pol3 = AutoPolicy(sps, plain, drafting, explore_every=16)
+    pol3.estimate = np.full(7, 0.05)
+    pol3._interval = 128
+    pol3.begin_round(["a", "b"])
+    assert pol3.speculates([7, 7], 7) and pol3.draft_caps([7, 7]) == [7, 0]  # one at a time
+    pol3.lengths(None, torch.full((2, 7), 0.01), torch.tensor([7, 0]), 7)
+    pol3.begin_round(["a", "b"])
+    assert pol3.speculates([7, 7], 7) and pol3.draft_caps([7, 7]) == [0, 7]
+    pol3.lengths(None, torch.full((2, 7), 0.01), torch.tensor([0, 7]), 7)
+    pol3.begin_round(["a", "b"])
+    assert not pol3.speculates([7, 7], 7)  # both tried, both poor: plain

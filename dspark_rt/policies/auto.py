@@ -33,6 +33,15 @@ explores the same way instead of drafting for the whole batch. The estimates age
 by updates, times the share of the batch an update sees: what a single request's exploring round
 sees after a long plain stretch outweighs the stale estimate (text that falls into a repetition
 is drafted far better than its first lines), what an eighth of a batch sees does not.
+
+New requests. The shared estimate is what other requests taught it, and a plain stretch backs
+exploring off: a request that joins then (at batch 1, every new prompt) could decode plainly for
+a hundred rounds although its text is drafted almost whole. So a request that never drafted is
+explored in the first round it could pay in: when a speculative round in which it (with the
+other new ones of an exploring share) drafted and every draft survived would beat a plain round
+by a clear margin (1 / CLEAR_LOSS). The bound depends on the batch size and the profiles alone
+(lossless, as every decision here); on a machine where drafting a few requests of a large batch
+cannot pay even then, new requests there are not explored.
 """
 import numpy as np
 import torch
@@ -83,6 +92,9 @@ class AutoPolicy(SyncScheduler):
         self._updates = 0                          # estimate updates so far (lengths)
         self._last = None                          # (inputs, outputs) of the last _decide
         self._ids: list | None = None              # this round's request ids (None: not known)
+        self._tried: set = set()                   # ids explored as new requests
+        self._explore_rows: list | None = None     # the rows an exploring round drafts for
+        self._could_pay: dict = {}                 # (R, drafting, drafts) -> bool: the bound
         self._chosen: set | None = None            # batch rows that draft (None: all of them)
         self._round = 0
         self._plain_run = 0                        # plain rounds since the last speculative one
@@ -98,9 +110,10 @@ class AutoPolicy(SyncScheduler):
 
     def begin_round(self, ids) -> None:
         self._ids = ids  # read this round only, not kept
-        if self._ids is not None and len(self._own) > 2 * len(self._ids) + 16:
+        if self._ids is not None and len(self._own) + len(self._tried) > 2 * len(self._ids) + 16:
             here = set(self._ids)  # forget the requests that finished
             self._own = {k: v for k, v in self._own.items() if k in here}
+            self._tried &= here
 
     def speculates(self, caps: list[int], gamma: int) -> bool:
         R = len(caps)
@@ -116,6 +129,9 @@ class AutoPolicy(SyncScheduler):
         if not spec and self.explore_every and self._plain_run + 1 >= self._interval:
             spec = self._explore = True
             self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every)
+        self._explore_rows = self._new_requests(caps, gamma) if not spec or self._explore else None
+        if self._explore_rows:
+            spec = self._explore = True
         self._age += 1
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
@@ -128,18 +144,47 @@ class AutoPolicy(SyncScheduler):
         return spec
 
     def draft_caps(self, caps: list[int]) -> list[int]:
-        """An exploring round keeps the caps of explore_share of the requests (in turn); another
-        speculative round those of the requests whose drafts the estimates say pay."""
+        """An exploring round keeps the caps of the new requests it explores, else of
+        explore_share of the requests (in turn); another speculative round those of the requests
+        whose drafts the estimates say pay."""
         R = len(caps)
         if not self._explore:
             return caps if self._chosen is None else \
                 [c if i in self._chosen else 0 for i, c in enumerate(caps)]
+        if self._explore_rows:
+            keep = set(self._explore_rows)
+            return [c if i in keep else 0 for i, c in enumerate(caps)]
         if R < 2:
             return caps
         k = max(1, int(R * self.explore_share))
         keep = {(self._explore_from + i) % R for i in range(k)}
         self._explore_from = (self._explore_from + k) % R
         return [c if i in keep else 0 for i, c in enumerate(caps)]
+
+    def _new_requests(self, caps, gamma) -> list | None:
+        """Rows of requests that never drafted (up to an exploring share of the batch) to explore
+        this round, when the best case of their drafting would pay clearly (module docstring);
+        None otherwise, or without request ids."""
+        if self._ids is None:
+            return None
+        R = len(caps)
+        rows = [i for i, (rid, c) in enumerate(zip(self._ids, caps))
+                if c > 0 and rid not in self._own and rid not in self._tried]
+        if not rows:
+            return None
+        rows = rows[: max(1, int(R * self.explore_share))]
+        n = sum(min(caps[i], gamma) for i in rows)
+        key = (R, len(rows), n)
+        if key not in self._could_pay:
+            if R > self.max_tokens or R > self.plain.max_tokens:
+                self._could_pay[key] = False  # outside the profiles: left to the estimates
+            else:
+                best = float(self._round_theta(R, len(rows), np.ones(n)).max())
+                self._could_pay[key] = best * float(self._verify_s(R)) / R >= 1.0 / CLEAR_LOSS
+        if not self._could_pay[key]:
+            return None
+        self._tried.update(self._ids[i] for i in rows)
+        return rows
 
     def _decide(self, caps, gamma) -> tuple[bool, bool]:
         """(whether drafting pays, whether the best round verifies every draft); (None, False)
