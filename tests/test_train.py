@@ -316,3 +316,26 @@ def test_training_on_with_unlikelihood_lowers_repeat_probability(trained, tmp_pa
         cand = context_candidates(ids[:, :-1], ids[:, 1:], logits.shape[-1])
         mass[name] = float((torch.softmax(logits, -1) * cand).sum(-1).mean())
     assert mass["ul"] < 0.85 * mass["plain"], mass
+
+
+def test_sequence_unlikelihood_marks_repeated_ngrams_of_the_continuation():
+    """repeat_mask marks, from the continuation's start on, every token of a 4-gram that already
+    occurred earlier in the row (prefix included); the loss is -log(1 - p) of exactly those
+    tokens at the positions predicting them; greedy_continue appends argmax tokens."""
+    from dspark_rt.train.unlikelihood import greedy_continue, repeat_mask, sequence_unlikelihood_loss
+    ids = torch.tensor([[1, 2, 3, 4, 9, 1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8],
+                        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]])
+    m = repeat_mask(ids, start=6)
+    # row 0: the 4-gram 1 2 3 4 repeats at 5..8 (marked from 6, the continuation's start), and
+    # 5 6 7 8 at 13..16; row 1 never repeats
+    assert m[0].nonzero()[:, 0].tolist() == [6, 7, 8, 13, 14, 15, 16] and not m[1].any()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 16, 20, generator=g)
+    p = torch.softmax(logits, -1)
+    want = -sum(torch.log(1 - p[0, t - 1, ids[0, t]]) for t in (6, 7, 8, 13, 14, 15, 16)) / 7
+    assert torch.allclose(sequence_unlikelihood_loss(logits, ids, m), want, rtol=1e-5)
+    table = torch.randn(20, 20, generator=g)  # a "model" whose next token depends on the last
+    fwd = lambda x: table[x]
+    out = greedy_continue(fwd, ids[:, :3], 5)
+    for t in range(3, 8):
+        assert torch.equal(out[:, t], table[out[:, t - 1]].argmax(-1))

@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a target folder to train further (its shape replaces the shape options)")
     p.add_argument("--unlikelihood", type=positive(float, zero_ok=True), default=0.0,
                    help="weight of the token-level unlikelihood term against repetition (0: off)")
+    p.add_argument("--seq-unlikelihood", type=positive(float, zero_ok=True), default=0.0,
+                   help="weight of the sequence-level unlikelihood term: the model's own greedy "
+                        "continuations, their repeated 4-grams pushed down (0: off)")
     _corpus_args(p)
     _loop_args(p, steps=400, batch=8, lr=2e-3, warmup=30)
 
@@ -180,7 +183,7 @@ def _run(a) -> dict:
                      batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup,
                      weight_decay=a.weight_decay, seed=a.seed, save_every=a.save_every,
                      resume=a.resume, compile=a.compile, dtype=a.dtype, init=a.init,
-                     unlikelihood=a.unlikelihood)
+                     unlikelihood=a.unlikelihood, seq_unlikelihood=a.seq_unlikelihood)
     elif a.stage == "regen":
         from .regen import regenerate
         s = regenerate(a.target, a.out, corpus=a.corpus, max_bytes=a.max_bytes, num=a.num,

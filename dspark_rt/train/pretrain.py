@@ -22,7 +22,7 @@ from .corpus import EOT, TokenStream, load_corpus
 from .dense import target_forward
 from .loop import train_loop
 from .tokenizer_train import load_tokenizer, special_ids
-from .unlikelihood import unlikelihood_loss
+from .unlikelihood import greedy_continue, repeat_mask, sequence_unlikelihood_loss, unlikelihood_loss
 
 __all__ = ["target_config", "init_target", "save_target", "pretrain"]
 
@@ -77,14 +77,18 @@ def save_target(model: Qwen3Model, cfg: dict, out, tokenizer_dir, dtype="bfloat1
 def pretrain(*, tokenizer_dir, out, corpus=None, max_bytes=6_000_000, hidden=256, layers=4,
              heads=4, kv_heads=2, head_dim=64, intermediate=768, ctx=512, steps=400, batch=8,
              seq=512, lr=2e-3, warmup=30, weight_decay=0.1, seed=0, save_every=50, resume=False,
-             compile=False, dtype="bfloat16", progress=True, init=None, unlikelihood=0.0) -> dict:
+             compile=False, dtype="bfloat16", progress=True, init=None, unlikelihood=0.0,
+             seq_unlikelihood=0.0, seq_prefix=64, seq_new=64) -> dict:
     """Trains the target and writes it to `out`; returns the loop summary (+ corpus stats).
     init: a target folder to start from (its shape wins over the shape arguments).
-    unlikelihood: weight alpha of the token-level unlikelihood term (0: plain cross-entropy)."""
+    unlikelihood: weight alpha of the token-level unlikelihood term (0: plain cross-entropy).
+    seq_unlikelihood: weight of the sequence-level term: each step the model also continues
+    `batch` prefixes of seq_prefix corpus tokens greedily by seq_new tokens, and the tokens of
+    its continuation in repeated 4-grams are pushed down (unlikelihood.py)."""
     torch.manual_seed(seed)
     tok = load_tokenizer(tokenizer_dir)
-    if unlikelihood < 0:
-        raise ValueError(f"unlikelihood must be >= 0, got {unlikelihood}")
+    if unlikelihood < 0 or seq_unlikelihood < 0:
+        raise ValueError(f"unlikelihood weights must be >= 0, got {unlikelihood}, {seq_unlikelihood}")
     if init is not None:
         with open(os.path.join(init, "config.json"), encoding="utf-8") as f:
             cfg = {**json.load(f), "torch_dtype": dtype}
@@ -115,14 +119,23 @@ def pretrain(*, tokenizer_dir, out, corpus=None, max_bytes=6_000_000, hidden=256
 
     def step_fn(step):
         loss, ce = fn(stream.batch(step, seed, batch, seq + 1))
-        return loss, ({"ce": ce.detach()} if unlikelihood else {})
+        parts = {"ce": ce.detach()} if unlikelihood or seq_unlikelihood else {}
+        if seq_unlikelihood:
+            prefix = stream.batch(step, seed + 1, batch, seq_prefix)
+            ids = greedy_continue(lambda x: target_forward(model, x)[0], prefix, seq_new)
+            mask = repeat_mask(ids, seq_prefix)
+            logits, _, _ = target_forward(model, ids[:, :-1])
+            sul = sequence_unlikelihood_loss(logits, ids, mask)
+            loss = loss + seq_unlikelihood * sul
+            parts.update(seq_ul=sul.detach(), repeats=mask[:, seq_prefix:].float().mean())
+        return loss, parts
 
     summary = train_loop(model, step_fn, out=out, steps=steps, lr=lr, warmup=warmup,
                          weight_decay=weight_decay, save_every=save_every, resume=resume,
                          export=lambda: save_target(model, cfg, out, tokenizer_dir, dtype),
                          desc="pretrain target", progress=progress)
     summary.update(train_tokens=len(stream), train_bytes=data.train_bytes, init=init,
-                   unlikelihood=unlikelihood,
+                   unlikelihood=unlikelihood, seq_unlikelihood=seq_unlikelihood,
                    tokens_seen=steps * batch * seq,
                    params=sum(p.numel() for p in model.parameters()))
     return summary
