@@ -63,8 +63,12 @@ def test_switching_every_round_keeps_greedy_output_and_drafter_context(plain_tok
     assert pol.rounds["plain"] >= 3 and pol.rounds["speculative"] >= 3, pol.rounds
     ref = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], dtype="float64")
     ref_outs = ref.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    # float64: forwards of other chain lengths round the features differently, by ~1e-15
-    torch.testing.assert_close(_context(dec, outs[0]), _context(ref, ref_outs[0]), rtol=1e-9, atol=1e-9)
+    # float64: forwards of other chain lengths round the features differently, by ~1e-15. The
+    # pages of positions still deferred when the request finished hold no context (never paid
+    # for) and are not shared: the written pages are compared
+    got, want = _context(dec, outs[0]), _context(ref, ref_outs[0])
+    n = min(got.shape[1], want.shape[1])
+    torch.testing.assert_close(got[:, :n], want[:, :n], rtol=1e-9, atol=1e-9)
 
 
 def test_when_every_draft_pays_it_verifies_all_unread(plain_tokens):

@@ -2,11 +2,11 @@
 
 Greedy (this file). On the shipped trained pair (dspark_rt/pretrained: a Qwen3 target and DSpark
 drafters with vanilla, gated and RNN heads plus a DFlash drafter; on PROMPTS the DSpark drafters
-accept deeply, the DFlash drafter less: tau 2.3, never a whole block),
+reach tau 2.0-2.3, the DFlash drafter 1.5-1.65 and never a whole block),
 speculative output equals plain greedy decoding token for token for modes dflash and dspark,
 policies fixed / threshold (a threshold that cuts) / sync / async (profiles under which they
 verify some drafts and cut others), batch 1 and 8, a prefix-cache miss and then a hit, float64
-and float32. Every case also asserts deep acceptance: mean acceptance length and the share of
+and float32. Every case also asserts acceptance: mean acceptance length and the share of
 rounds that accept the whole block stay above floors recorded from the pair (FLOORS), so
 equality is checked while drafts are being accepted, and an acceptance collapse with exact
 output (a drafter off by one position, a lost head, stale context, features from the wrong
@@ -39,40 +39,43 @@ TARGET = PAIR / "target"
 DRAFTERS = {"vanilla": PAIR / "dspark", "gated": PAIR / "dspark_gated", "rnn": PAIR / "dspark_rnn",
             "none": PAIR / "dflash"}
 # Code the target was not trained on (it saw the standard library; these are written here),
-# chosen so that its greedy continuations are ones the drafters accept deeply (two of them run
-# into repetition, where every drafter should accept whole blocks).
+# chosen from 36 candidates as the ones its drafters accept most deeply (2026-12-02: the target
+# no longer falls into greedy loops, so no prompt here has drafts accepted whole block after
+# block; the first is one of the few with whole blocks at all, for the batch-1 cases).
 PROMPTS = [
-    "    if not isinstance(name, str):\n        raise TypeError(",
-    "import os\nimport sys\nimport re\nimport time\nimport json\n",
-    "    def __repr__(self):\n        return ",
+    "def __eq__(self, other):\n    if not isinstance(other, type(self)):\n        return NotImplemented\n",
+    "class Error(Exception):\n    pass\n\n\nclass ",
     "# Copyright (c) the authors.\n\"\"\"Utilities for parsing configuration files.\"\"\"\n",
-    "    def __init__(self):\n        self.",
-    "for i in range(len(items)):\n    if items[i] is None:\n",
-    "    def __init__(self, name, value, parent=None):\n        self.name = name\n"
-    "        self.value = value\n",
+    "    def __repr__(self):\n        return ",
+    "import os\nimport sys\n\n__all__ = [",
+    "A = 1\nB = 2\nC = 3\nD = 4\nE = 5\n",
+    "    def __getitem__(self, key):\n        return self._data[key]\n\n"
+    "    def __setitem__(self, key, value):\n",
     "    def close(self):\n        ",
 ]
 MAX_TOKENS = 48
-THRESHOLD = 0.4  # uncalibrated confidences: cuts about a quarter of the drafts on this pair
+THRESHOLD = 0.5  # uncalibrated confidences: cuts a third to two fifths of the drafts on this pair
 # A verify-token profile under which sync and async admit some drafts and cut others on this
 # pair: SPS(B) = B^-1/6, so a draft pays while its survival exceeds about tau / 6B.
 SPS = SPSProfile([2 ** i for i in range(12)], [2 ** (-i / 6) for i in range(12)])
 # Floors on (mean acceptance length tau, share of rounds accepting all gamma = 7 drafts): 0.85 x
-# tau and 0.5 x the share measured on PROMPTS at batch 8 in float32 (2026-12-01, the pair
-# retrained on the whole library; tau / share: dflash 2.28 / 0 (it never accepts a whole block
-# here); vanilla fixed 4.37 / 0.186, threshold 4.13 / 0.165, sync 3.92 / 0.021, async 4.04 /
-# 0.043; gated fixed 4.09 / 0.217, threshold 3.92 / 0.208; rnn fixed 4.64 / 0.370, async 4.42 /
-# 0.235).
+# tau and 0.5 x the share measured on PROMPTS at batch 8 in float32 (2026-12-02, the pair whose
+# target was trained out of its greedy loops; tau / share: dflash 1.65 / 0; vanilla fixed 2.23 /
+# 0.012, threshold 2.04 / 0.005, sync 2.20 / 0, async 2.20 / 0; gated fixed 2.23 / 0.006,
+# threshold 1.95 / 0; rnn fixed 2.32 / 0.019, async 2.29 / 0.012). About one draft in two of
+# the first positions is accepted: the floors hold equality to deep acceptance no longer (the
+# pair before accepted whole blocks on its own loops), but every mutant below still falls under
+# them: tau 1.05-1.16 against floors 1.4-1.9, and the mask-token mutant 1.86 with no whole block.
 FLOORS = {
-    ("none", "fixed"): (1.94, 0.0),
-    ("vanilla", "fixed"): (3.7, 0.093),
-    ("vanilla", "threshold"): (3.5, 0.082),
-    ("vanilla", "sync"): (3.3, 0.010),
-    ("vanilla", "async"): (3.4, 0.021),
-    ("gated", "fixed"): (3.45, 0.108),
-    ("gated", "threshold"): (3.3, 0.104),
-    ("rnn", "fixed"): (3.95, 0.185),
-    ("rnn", "async"): (3.75, 0.117),
+    ("none", "fixed"): (1.40, 0.0),
+    ("vanilla", "fixed"): (1.89, 0.006),
+    ("vanilla", "threshold"): (1.74, 0.0),
+    ("vanilla", "sync"): (1.87, 0.0),
+    ("vanilla", "async"): (1.87, 0.0),
+    ("gated", "fixed"): (1.89, 0.003),
+    ("gated", "threshold"): (1.66, 0.0),
+    ("rnn", "fixed"): (1.97, 0.009),
+    ("rnn", "async"): (1.95, 0.006),
 }
 
 

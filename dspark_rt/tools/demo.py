@@ -240,8 +240,8 @@ def _demo(out: Path, quick, as_json, device):
     say = (lambda *a: None) if as_json else print
     if trained:
         say(f"Model pair: {PRETRAINED}\na 3.7 M-parameter Qwen3 target pretrained on Python stdlib "
-            "sources (its greedy text\nstill falls into loops on some prompts: a model this small);"
-            " "
+            "sources (then trained\nout of greedy repetition loops; still a model this small: "
+            "plausible-looking, not working code);\n"
             f"drafters (gamma 7): {', '.join(n for n in specs if n != 'ar')}.")
     else:
         say(f"NOTE: the shipped model pair is missing from {PRETRAINED};\nrunning a tiny RANDOMLY "
