@@ -304,6 +304,10 @@ def test_training_on_with_unlikelihood_lowers_repeat_probability(trained, tmp_pa
     plain = _run(base + ["--out", str(tmp_path / "plain")])
     ul = _run(base + ["--out", str(tmp_path / "ul"), "--unlikelihood", "3.0"])
     assert plain["init"] == str(tmp / "target") and ul["unlikelihood"] == 3.0
+    seq = _run(base + ["--steps", "2", "--batch", "2", "--out", str(tmp_path / "seq"),
+                       "--seq-unlikelihood", "1.0"])  # later options win
+    assert seq["seq_unlikelihood"] == 1.0 and {"ce", "seq_ul", "repeats"} <= set(seq["last"])
+    Qwen3Model.from_pretrained(str(tmp_path / "seq"))  # its export loads
     from dspark_rt.train.tokenizer_train import load_tokenizer
     text = (tmp / "corpus" / "mod_0.py").read_text()
     ids = torch.tensor([load_tokenizer(str(tmp / "tok")).encode(text).ids[:64]])

@@ -217,10 +217,10 @@ class Qwen3Model(nn.Module):
     def forward(self, input_ids, positions, meta: AttnMeta, cache: PagedKVCache,
                 capture_layers=None, logits_rows=None, logits_dtype=None):
         """input_ids, positions [N] int64 (flat ragged batch); K/V of the new tokens go to the
-        cache at meta.slot_mapping. Returns logits [len(logits_rows) or N, V] (in logits_dtype:
-        see lm_head) and
-        features [N, m * d] in the model dtype: the outputs of decoder layers capture_layers
-        (-1: the embedding output), concatenated in the given order; None without capture_layers.
+        cache at meta.slot_mapping. Returns logits [len(logits_rows) or N, V] in logits_dtype
+        (see lm_head) and features [N, m * d] in the model dtype: the outputs of decoder layers
+        capture_layers (-1: the embedding output), concatenated in the given order; None without
+        capture_layers.
         """
         capture = list(capture_layers or [])
         L = len(self.layers)

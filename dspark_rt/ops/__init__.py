@@ -144,9 +144,9 @@ def _rejection_backend(device: torch.device, backend, tdt, ddt):
     be = _backend(op, device, backend, None)
     if not takes(be):
         if backend is not None or os.environ.get("DSPARK_BACKEND"):
-            fail(op, f"backend {be!r} does not take target_logits dtype {tdt} with draft_logits dtype {ddt} "
-                     f"(it takes {[str(d) for d in _float_dtypes(be)]} with equal draft dtypes and "
-                     f"{sorted(f'{t} with {d}' for t, d in _REJECTION_MIXED[be])})")
+            fail(op, f"backend {be!r} does not take target_logits dtype {tdt} with draft_logits "
+                     f"dtype {ddt} (it takes {[str(d) for d in _float_dtypes(be)]} with equal "
+                     f"draft dtypes and {sorted(f'{t} with {d}' for t, d in _REJECTION_MIXED[be])})")
         be = "reference"
     return be
 
