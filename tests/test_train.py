@@ -328,18 +328,21 @@ def test_sequence_unlikelihood_marks_repeated_ngrams_of_the_continuation():
     tokens at the positions predicting them; greedy_continue appends argmax tokens."""
     from dspark_rt.train.unlikelihood import greedy_continue, repeat_mask, sequence_unlikelihood_loss
     ids = torch.tensor([[1, 2, 3, 4, 9, 1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8],
-                        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]])
+                        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+                        [1, 2, 3, 1, 2, 3, 1, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10]])
     m = repeat_mask(ids, start=6)
     # row 0: the 4-gram 1 2 3 4 repeats at 5..8 (marked from 6, the continuation's start), and
-    # 5 6 7 8 at 13..16; row 1 never repeats
+    # 5 6 7 8 at 13..16; row 1 never repeats; row 2: 1 2 3 1 repeats at 3..6, ending at the start
     assert m[0].nonzero()[:, 0].tolist() == [6, 7, 8, 13, 14, 15, 16] and not m[1].any()
+    assert m[2].nonzero()[:, 0].tolist() == [6]
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 16, 20, generator=g)
+    logits = torch.randn(3, 16, 20, generator=g)
     p = torch.softmax(logits, -1)
-    want = -sum(torch.log(1 - p[0, t - 1, ids[0, t]]) for t in (6, 7, 8, 13, 14, 15, 16)) / 7
+    marked = [(0, t) for t in (6, 7, 8, 13, 14, 15, 16)] + [(2, 6)]
+    want = -sum(torch.log(1 - p[b, t - 1, ids[b, t]]) for b, t in marked) / len(marked)
     assert torch.allclose(sequence_unlikelihood_loss(logits, ids, m), want, rtol=1e-5)
     table = torch.randn(20, 20, generator=g)  # a "model" whose next token depends on the last
     fwd = lambda x: table[x]
-    out = greedy_continue(fwd, ids[:, :3], 5)
+    out = greedy_continue(fwd, ids[:2, :3], 5)
     for t in range(3, 8):
         assert torch.equal(out[:, t], table[out[:, t - 1]].argmax(-1))
