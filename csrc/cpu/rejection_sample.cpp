@@ -5,7 +5,8 @@
 // final emit makes one more pass over V (the residual max(0, P - q), or the bonus row) with
 // the pruned Gumbel-max scan of kernel_util.h. All scores are float64, like the reference's.
 // Target logits may be bfloat16 under float32 drafts (widened on load, exactly). Every verified
-// row is checked for NaN / +inf first (the request's `failed`), while it is hot for its pass.
+// row is checked for NaN / +inf first (the request's `failed`): one branch-free pass per row,
+// the bytes a separate check over the logits would read, spread over the request's thread.
 #include <algorithm>
 #include <limits>
 
