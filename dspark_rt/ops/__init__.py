@@ -155,13 +155,8 @@ def takes_narrow_target(device, dtype) -> bool:
     """Whether rejection_sample's default backend for `device` takes target logits of the 16-bit
     `dtype` under float32 drafts in its kernel (else a caller had better widen them first: the
     fallback is the reference)."""
-    device = torch.device(device)
-    be = "cuda" if device.type == "cuda" else "cpp"
-    forced = os.environ.get("DSPARK_BACKEND")
-    if forced:
-        be = forced
-    return be in available_backends() and be != "reference" and \
-        (dtype, torch.float32) in _REJECTION_MIXED[be]
+    be = _backend("rejection_sample", torch.device(device), None, None)
+    return be != "reference" and (dtype, torch.float32) in _REJECTION_MIXED[be]
 
 
 def _float_dtypes(backend):
