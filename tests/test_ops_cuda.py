@@ -68,6 +68,9 @@ MARKOV_CASES = oc.MARKOV_CASES + [
     MC(4, 3, 2048, "gated", rank=40, d=24, conf="markov"),              # rank % 32: CUDA cores
     MC(8, 5, 32768, "vanilla", rank=256, d=128, coupled="mixed"),       # coupled, tensor cores
     MC(70, 2, 3000, "gated", rank=32, d=32, temps="sampled", coupled="mixed"),  # two groups
+    # three groups (44, 44, 43) in one sweep launch per step; tensor cores with 16-bit weights,
+    # 4-wide logits rows
+    MC(131, 3, 4100, "vanilla", rank=64, d=32, conf="markov", temps="mixed", coupled="mixed"),
     MC(5, 4, 3000, "rnn", rank=32, d=48, conf="markov"),                # routed to the reference
 ]
 

@@ -10,20 +10,23 @@
 //   * MarkovStepKernel (one block per request): merges the partials in a fixed order into x_k,
 //     lse_k, logprob_k, then prepares step k + 1: e = W1[x_k], the gated head's gate, the
 //     confidence logit.
-// The gamma steps are 2 gamma stream-ordered launches (plus one prologue pair). A persistent
-// cooperative kernel with a grid barrier would save ~1 us of launch gap per step, but needs
-// every block co-resident and a barrier about as costly; two plain launches per step keep each
-// kernel's resources independent and are safe under CUDA-graph capture. Per step the floor is
+// The gamma steps are 2 gamma stream-ordered launches (plus one prologue) whatever the batch
+// size. A persistent cooperative kernel with a grid barrier would save ~1 us of launch gap per
+// step, but needs every block co-resident and a barrier about as costly; two plain launches per
+// step keep each kernel's resources independent and are safe under CUDA-graph capture. Per step the floor is
 // W2's bytes (77.8 MB in bf16 for V = 151936, r = 256: ~18 us at 4.3 TB/s) plus the logits.
 //
 // Types: T is the logits' (z and every rounding of the head's arithmetic, as the reference
 // rounds it), W the weights' and hidden's (W = T, or 16-bit under float logits: a bf16 model's
 // head streams 2-byte W2 through tensor cores and still forms z in float32).
 //
-// Requests are processed in groups of up to 64 (each group sweeps W2 again): the bias tile and
-// e_eff of a group live in shared memory. The RNN head returns kUnsupported: its state update
-// needs a (3r x (2r + d)) matvec per step and request, and the ops door
-// (dspark_rt/ops/__init__.py, _markov_backend) routes rnn on CUDA tensors to the reference.
+// Requests are processed in groups of up to 64 (the bias tile and e_eff of a group live in
+// shared memory); all groups share one sweep launch per step, their blocks co-resident and
+// walking the same tiles in step, so W2 streams from HBM once per step for the whole batch and
+// each further group reads the tile from L2 (H200: 50 MB of L2 against ~1-2 MB of tiles in
+// flight per group per wave). The RNN head returns kUnsupported: its state update needs a
+// (3r x (2r + d)) matvec per step and request, and the ops door (dspark_rt/ops/__init__.py,
+// _markov_backend) routes rnn on CUDA tensors to the reference.
 // The selector head (top-k candidates, no vocabulary-wide W2 sweep) lives in markov_select.cu.
 #include "markov_sample.h"
 
@@ -53,16 +56,17 @@ struct Partial {
 };
 
 struct SweepArgs {
-  void* logits;           // group base, [G, gamma, V]
+  void* logits;           // [R, gamma, V]
   const void* w2;         // [V, rank]
-  const void* e_eff;      // [G, rank] in the weight dtype: e, or g * e for the gated head
+  const void* e_eff;      // [R, rank] in the weight dtype: e, or g * e for the gated head
   const float* temperature;
   const uint64_t* seed;
   const int64_t* stream;
   const int64_t* round;
-  const uint8_t* coupled;  // [G] or null: Gumbel-coupled noise (philox.h SiteOf)
-  Partial* partials;      // [gridDim.x, G]
-  int G, gamma, V, rank, k, tv;
+  const uint8_t* coupled;  // [R] or null: Gumbel-coupled noise (philox.h SiteOf)
+  Partial* partials;      // [groups, gblocks, G]
+  int R, G, gblocks;      // requests, group size (the last group may be smaller), blocks per group
+  int gamma, V, rank, k, tv;
   int es_stride;          // row stride of e in shared memory (elements)
   int off_bias, off_slot_m, off_slot_idx, off_es;  // shared-memory layout (bytes)
   bool has_bias;
@@ -78,10 +82,10 @@ struct SweepArgs {
 // logical k (2t, 2t+1 | 2t+8, 2t+9) of the first k-step and 8t+4..8t+7 for the second. A dot
 // product does not care about the order of k as long as A and B agree, and they do.
 template <class W>
-__device__ __forceinline__ void BiasTileMma(const SweepArgs& a, const W* es, float* bias, int v0) {
+__device__ __forceinline__ void BiasTileMma(const SweepArgs& a, int G, const W* es, float* bias, int v0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int bs = a.tv + 4, rank = a.rank, V = a.V;
-  const int nt_count = (a.G + 7) >> 3;
+  const int nt_count = (G + 7) >> 3;
   const W* w2 = static_cast<const W*>(a.w2);
   for (int mt = warp; mt < a.tv / 16; mt += kWarps) {
     if (v0 + mt * 16 >= V) break;
@@ -131,8 +135,8 @@ __device__ __forceinline__ void BiasTileMma(const SweepArgs& a, const W* es, flo
 // ---- bias tile: CUDA cores (float32, or ranks the tensor-core path cannot take) ---------------
 // Thread = (vocabulary row, group of 8 requests); e is read from shared memory as a broadcast.
 template <class W>
-__device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, const float* es, float* bias, int v0) {
-  const int bs = a.tv + 4, rank = a.rank, ngrp = (a.G + 7) >> 3;
+__device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, int G, const float* es, float* bias, int v0) {
+  const int bs = a.tv + 4, rank = a.rank, ngrp = (G + 7) >> 3;
   const W* w2 = static_cast<const W*>(a.w2);
   for (int i = threadIdx.x; i < a.tv * ngrp; i += kThreads) {
     const int vl = i % a.tv, grp = i / a.tv, row = v0 + vl;
@@ -158,7 +162,7 @@ __device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, const float* es
     }
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
-      if (grp * 8 + q < a.G) bias[(grp * 8 + q) * bs + vl] = acc[q];
+      if (grp * 8 + q < G) bias[(grp * 8 + q) * bs + vl] = acc[q];
     }
   }
 }
@@ -167,7 +171,14 @@ __device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, const float* es
 template <class T, class W, bool kMma>
 __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int G = a.G, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Block = (request group, tile cursor): the groups' blocks are co-resident and walk the same
+  // tiles in the same order, so each W2 tile streams from HBM once and every other group finds
+  // it in L2.
+  const int group = blockIdx.x / a.gblocks, bx = blockIdx.x - group * a.gblocks;
+  const int r0 = group * a.G, G = min(a.G, a.R - r0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  T* const logits = static_cast<T*>(a.logits) + static_cast<int64_t>(r0) * a.gamma * a.V;
+  const float* const temperature = a.temperature + r0;
   const int gpad = (G + 7) & ~7, bs = a.tv + 4;
   // Per-warp running partials of every request: a warp only touches its own slots.
   double* slot_best = reinterpret_cast<double*>(smem);       // [kWarps][G]
@@ -184,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   }
   if (a.has_bias) {
     // e_eff of every request (zero rows pad the group to a multiple of 8 for the mma N tiles).
-    const W* eg = static_cast<const W*>(a.e_eff);
+    const W* eg = static_cast<const W*>(a.e_eff) + static_cast<int64_t>(r0) * a.rank;
     for (int i = threadIdx.x; i < gpad * a.es_stride; i += kThreads) {
       const int row = i / a.es_stride, j = i - row * a.es_stride;
       const W val = (row < G && j < a.rank) ? eg[row * a.rank + j] : FromFloat<W>(0.f);
@@ -199,13 +210,13 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
 
   const int chunks = a.tv / kItem;
   const int ntiles = (a.V + a.tv - 1) / a.tv;
-  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+  for (int tile = bx; tile < ntiles; tile += a.gblocks) {
     const int v0 = tile * a.tv;
     if (a.has_bias) {
       if constexpr (kMma) {
-        BiasTileMma<W>(a, reinterpret_cast<const W*>(smem + a.off_es), bias, v0);
+        BiasTileMma<W>(a, G, reinterpret_cast<const W*>(smem + a.off_es), bias, v0);
       } else {
-        BiasTileFfma<W>(a, reinterpret_cast<const float*>(smem + a.off_es), bias, v0);
+        BiasTileFfma<W>(a, G, reinterpret_cast<const float*>(smem + a.off_es), bias, v0);
       }
     }
     __syncthreads();
@@ -218,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
       if (vb >= a.V) continue;  // warp-uniform
       const int v = vb + lane * 4;
       const int nvalid = max(0, min(4, a.V - v));
-      T* row = static_cast<T*>(a.logits) + (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
+      T* row = logits + (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
       float4 x = make_float4(-kInfF, -kInfF, -kInfF, -kInfF);
       if (nvalid == 4 && a.vec) {
         // a coherent load: this kernel writes the row back in place below (z = U + bias), and a
@@ -252,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
         if (nvalid < 3) x.z = -kInfF;
         x.w = -kInfF;
       }
-      const float tf = a.temperature[rq];
+      const float tf = temperature[rq];
       const bool greedy = tf == 0.f;
       const float inv_t = greedy ? 1.f : 1.f / tf;
       const double td = greedy ? 1.0 : static_cast<double>(tf);
@@ -270,8 +281,8 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
         }
       } else {
         const NoiseSite site = SiteOf(
-            PhiloxKey{a.seed[rq], static_cast<uint32_t>(a.stream[rq]), static_cast<uint32_t>(a.round[rq])},
-            a.coupled && a.coupled[rq], kPurposeDraft, a.k + 1);
+            PhiloxKey{a.seed[r0 + rq], static_cast<uint32_t>(a.stream[r0 + rq]), static_cast<uint32_t>(a.round[r0 + rq])},
+            a.coupled && a.coupled[r0 + rq], kPurposeDraft, a.k + 1);
         // Seed the pre-filter with the exact score of the item's largest logit: any entry whose
         // logit is more than ~17.5 T below it cannot win and skips Philox altogether.
         float best_f = -kInfF;
@@ -320,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   }
 
   for (int rq = threadIdx.x; rq < G; rq += kThreads) {
-    const float tf = a.temperature[rq];
+    const float tf = temperature[rq];
     const float inv_t = tf == 0.f ? 1.f : 1.f / tf;
     ArgMax am;
     am.Init();
@@ -330,13 +341,13 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
       am.Merge(ArgMax{slot_best[w * G + rq], slot_idx[w * G + rq]});
       lse.Merge(LogSumExp{slot_m[w * G + rq], slot_s[w * G + rq]}, inv_t);
     }
-    a.partials[static_cast<int64_t>(blockIdx.x) * G + rq] = Partial{am.best, am.idx, lse.m, lse.s};
+    a.partials[static_cast<int64_t>(blockIdx.x) * a.G + rq] = Partial{am.best, am.idx, lse.m, lse.s};
   }
 }
 
 // ---- the per-step reduction and the next step's head state ------------------------------------
 struct StepArgs {
-  void* logits;  // group base [G, gamma, V]
+  void* logits;  // [R, gamma, V]
   const void* hidden;
   const int64_t* anchor;
   const void* w1;
@@ -349,10 +360,10 @@ struct StepArgs {
   float* logprob;
   float* lse;
   float* conf_logit;
-  const Partial* partials;  // [nblocks, G]
-  void* e_eff;              // [G, rank]
-  const float* hg;          // [G, gamma, rank] gate_w[:, :d] @ h_k (gated head)
-  const float* hc;          // [G, gamma] conf_w[:d] . h_k (confidence head)
+  const Partial* partials;  // [groups, nblocks, G]: the sweep's, request rq in group rq / G
+  void* e_eff;              // [R, rank]
+  const float* hg;          // [R, gamma, rank] gate_w[:, :d] @ h_k (gated head)
+  const float* hc;          // [R, gamma] conf_w[:d] . h_k (confidence head)
   int G, gamma, V, rank, d, k, nblocks;
   MarkovHead head;
   bool confidence, confidence_markov;
@@ -377,8 +388,10 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
     am.Init();
     LogSumExp lse;
     lse.Init();
+    const int group = rq / a.G;
+    const Partial* partials = a.partials + static_cast<int64_t>(group) * a.nblocks * a.G + (rq - group * a.G);
     for (int b = threadIdx.x; b < a.nblocks; b += kThreads) {
-      const Partial p = a.partials[static_cast<int64_t>(b) * a.G + rq];
+      const Partial p = partials[static_cast<int64_t>(b) * a.G];
       am.Merge(ArgMax{p.best, p.idx});
       lse.Merge(LogSumExp{p.m, p.s}, inv_t);
     }
@@ -545,26 +558,43 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   constexpr int kElem = sizeof(W);  // weights; the logits are T
   const bool mma = has_bias && kElem == 2 && rank % 32 == 0 && Aligned(p.w2, 16);
 
-  // Group size: as many requests per W2 sweep as the shared memory takes (at most 64).
+  // Groups: as many requests per group as the shared memory takes (at most 64), the requests
+  // then spread evenly over the fewest groups (equal groups finish their sweeps together).
   int G = std::min(R, kMaxGroup);
   SweepLayout lay = MakeSweepLayout(G, MaxTile(G), rank, mma, kElem, has_bias);
   while (G > 1 && lay.bytes > std::min(lim.smem_optin, 160 * 1024)) {
     G = (G + 1) / 2;
     lay = MakeSweepLayout(G, MaxTile(G), rank, mma, kElem, has_bias);
   }
+  G = static_cast<int>(CeilDiv(R, CeilDiv(R, G)));
+  const int groups = static_cast<int>(CeilDiv(R, G));
+  lay = MakeSweepLayout(G, MaxTile(G), rank, mma, kElem, has_bias);
   if (lay.bytes > lim.smem_optin) return Status::kUnsupported;
   int max_blocks = 0;  // co-resident blocks at the largest tile (smaller tiles only fit more)
   Status st = SweepGridFor<T, W>(mma, lay.bytes, lim, &max_blocks);
   if (st != Status::kOk) return st;
-  const int nblocks = max_blocks;
+  // Every group gets an equal share of the co-resident blocks, and one sweep launch per step
+  // serves all groups: their blocks run side by side over the same tiles (W2 from HBM once per
+  // step, not once per group). Beyond max_blocks groups, blocks queue and the sharing is lost,
+  // not the result.
+  const int per_group = std::max(1, max_blocks / groups);
+  // The smallest tile (multiple of 128) that covers V in one wave of a group's blocks: the sweep
+  // is bound by HBM, so what matters is every block streaming at once, not SM balance.
+  const int tv = static_cast<int>(std::min<int64_t>(
+      MaxTile(G), std::max<int64_t>(kItem, kItem * CeilDiv(V, static_cast<int64_t>(kItem) * per_group))));
+  const SweepLayout gl = MakeSweepLayout(G, tv, rank, mma, kElem, has_bias);
+  // Every block gets the same number of tiles (k or k - 1): a tail where few blocks stream alone
+  // would leave HBM idle.
+  const int ntiles = static_cast<int>(CeilDiv(V, gl.tv));
+  const int gblocks = static_cast<int>(CeilDiv(ntiles, CeilDiv(ntiles, per_group)));
 
   Scratch scratch(stream);
   Partial* partials = nullptr;
   W* e_eff = nullptr;
   float* hg = nullptr;
   float* hc = nullptr;
-  if ((st = scratch.Get(static_cast<size_t>(nblocks) * G, &partials)) != Status::kOk) return st;
-  if ((st = scratch.Get(static_cast<size_t>(G) * std::max(rank, 1), &e_eff)) != Status::kOk) return st;
+  if ((st = scratch.Get(static_cast<size_t>(groups) * gblocks * G, &partials)) != Status::kOk) return st;
+  if ((st = scratch.Get(static_cast<size_t>(R) * std::max(rank, 1), &e_eff)) != Status::kOk) return st;
   if (gated && (st = scratch.Get(static_cast<size_t>(R) * gamma * rank, &hg)) != Status::kOk) return st;
   if (p.confidence && (st = scratch.Get(static_cast<size_t>(R) * gamma, &hc)) != Status::kOk) return st;
 
@@ -589,82 +619,72 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     if (st != Status::kOk) return st;
   }
 
-  for (int r0 = 0; r0 < R; r0 += G) {
-    const int Gg = std::min(G, R - r0);
-    // The smallest tile (multiple of 128) that covers V in one wave of co-resident blocks: the
-    // sweep is bound by HBM, so what matters is every block streaming at once, not SM balance.
-    const int tv = static_cast<int>(std::min<int64_t>(
-        MaxTile(Gg), std::max<int64_t>(kItem, kItem * CeilDiv(V, static_cast<int64_t>(kItem) * max_blocks))));
-    const SweepLayout gl = MakeSweepLayout(Gg, tv, rank, mma, kElem, has_bias);
-    const int64_t row0 = static_cast<int64_t>(r0) * gamma;
+  SweepArgs sa{};
+  sa.logits = p.logits;
+  sa.w2 = p.w2;
+  sa.e_eff = e_eff;
+  sa.temperature = p.temperature;
+  sa.seed = p.seed;
+  sa.stream = p.stream;
+  sa.round = p.round;
+  sa.coupled = p.coupled;
+  sa.partials = partials;
+  sa.R = R;
+  sa.G = G;
+  sa.gblocks = gblocks;
+  sa.gamma = gamma;
+  sa.V = V;
+  sa.rank = rank;
+  sa.tv = gl.tv;
+  sa.es_stride = gl.es_stride;
+  sa.off_bias = gl.off_bias;
+  sa.off_slot_m = gl.off_slot_m;
+  sa.off_slot_idx = gl.off_slot_idx;
+  sa.off_es = gl.off_es;
+  sa.has_bias = has_bias;
+  sa.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T));
+  sa.w2_vec = has_bias && rank % 4 == 0 && Aligned(p.w2, 4 * kElem);
 
-    SweepArgs sa{};
-    sa.logits = static_cast<T*>(p.logits) + row0 * V;
-    sa.w2 = p.w2;
-    sa.e_eff = e_eff;
-    sa.temperature = p.temperature + r0;
-    sa.seed = p.seed + r0;
-    sa.stream = p.stream + r0;
-    sa.round = p.round + r0;
-    sa.coupled = p.coupled ? p.coupled + r0 : nullptr;
-    sa.partials = partials;
-    sa.G = Gg;
-    sa.gamma = gamma;
-    sa.V = V;
-    sa.rank = rank;
-    sa.tv = gl.tv;
-    sa.es_stride = gl.es_stride;
-    sa.off_bias = gl.off_bias;
-    sa.off_slot_m = gl.off_slot_m;
-    sa.off_slot_idx = gl.off_slot_idx;
-    sa.off_es = gl.off_es;
-    sa.has_bias = has_bias;
-    sa.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T));
-    sa.w2_vec = has_bias && rank % 4 == 0 && Aligned(p.w2, 4 * kElem);
-    // Every block gets the same number of tiles (k or k - 1): a tail where few blocks stream
-    // alone would leave HBM idle.
-    const int ntiles = static_cast<int>(CeilDiv(V, gl.tv));
-    const int gblocks = static_cast<int>(CeilDiv(ntiles, CeilDiv(ntiles, max_blocks)));
+  StepArgs ta{};
+  ta.logits = p.logits;
+  ta.hidden = p.hidden;
+  ta.anchor = p.anchor;
+  ta.w1 = p.w1;
+  ta.gate_w = p.gate_w;
+  ta.gate_b = p.gate_b;
+  ta.conf_w = p.conf_w;
+  ta.conf_b = p.conf_b;
+  ta.temperature = p.temperature;
+  ta.tokens = p.tokens;
+  ta.logprob = static_cast<float*>(p.logprob);
+  ta.lse = static_cast<float*>(p.lse);
+  ta.conf_logit = static_cast<float*>(p.conf_logit);
+  ta.partials = partials;
+  ta.e_eff = e_eff;
+  ta.hg = hg;
+  ta.hc = hc;
+  ta.G = G;
+  ta.gamma = gamma;
+  ta.V = V;
+  ta.rank = rank;
+  ta.d = d;
+  ta.nblocks = gblocks;
+  ta.head = p.head;
+  ta.confidence = p.confidence;
+  ta.confidence_markov = p.confidence_markov;
 
-    StepArgs ta{};
-    ta.logits = sa.logits;
-    ta.hidden = p.hidden;
-    ta.anchor = p.anchor + r0;
-    ta.w1 = p.w1;
-    ta.gate_w = p.gate_w;
-    ta.gate_b = p.gate_b;
-    ta.conf_w = p.conf_w;
-    ta.conf_b = p.conf_b;
-    ta.temperature = sa.temperature;
-    ta.tokens = p.tokens + row0;
-    ta.logprob = static_cast<float*>(p.logprob) + row0;
-    ta.lse = static_cast<float*>(p.lse) + row0;
-    ta.conf_logit = static_cast<float*>(p.conf_logit) + row0;
-    ta.partials = partials;
-    ta.e_eff = e_eff;
-    ta.hg = hg ? hg + row0 * rank : nullptr;
-    ta.hc = hc ? hc + row0 : nullptr;
-    ta.G = Gg;
-    ta.gamma = gamma;
-    ta.V = V;
-    ta.rank = rank;
-    ta.d = d;
-    ta.nblocks = gblocks;
-    ta.head = p.head;
-    ta.confidence = p.confidence;
-    ta.confidence_markov = p.confidence_markov;
-
-    ta.k = -1;
-    MarkovStepKernel<T, W><<<Gg, kThreads, 0, stream>>>(ta);
+  // 2 gamma + 1 launches for the whole batch: the prologue, then per step the sweep (all
+  // groups) and the step kernel (one block per request).
+  ta.k = -1;
+  MarkovStepKernel<T, W><<<R, kThreads, 0, stream>>>(ta);
+  if ((st = LaunchStatus()) != Status::kOk) return st;
+  for (int k = 0; k < gamma; ++k) {
+    sa.k = k;
+    st = LaunchSweepFor<T, W>(mma, sa, gl.bytes, groups * gblocks, stream);
+    if (st != Status::kOk) return st;
+    ta.k = k;
+    MarkovStepKernel<T, W><<<R, kThreads, 0, stream>>>(ta);
     if ((st = LaunchStatus()) != Status::kOk) return st;
-    for (int k = 0; k < gamma; ++k) {
-      sa.k = k;
-      st = LaunchSweepFor<T, W>(mma, sa, gl.bytes, gblocks, stream);
-      if (st != Status::kOk) return st;
-      ta.k = k;
-      MarkovStepKernel<T, W><<<Gg, kThreads, 0, stream>>>(ta);
-      if ((st = LaunchStatus()) != Status::kOk) return st;
-    }
   }
   return Status::kOk;
 }
