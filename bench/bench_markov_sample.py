@@ -5,12 +5,13 @@ and a plain-torch baseline (cuBLAS projection + torch sampling).
 
 Shapes: CUDA (the goal shapes) V=151936, r=256, d=4096, gamma in {7, 16}, R in {1, 32, 256};
 CPU (scaled down, the reference is slow) V=32000, r=64, d=256, gamma=7, R in {1, 8} (--quick: 1, 2). Dtypes as
-served: float32 logits always; bf16 hidden and head weights on CUDA (a bf16 model's head: W2
-through tensor cores), on the CPU both float32 weights (a float32 model) and bf16 weights.
+served: float32 z always; bf16 hidden and head weights on CUDA (a bf16 model's head: W2
+through tensor cores) with the LM head's bf16 U read as it is and z written out of place, on
+the CPU both float32 weights (a float32 model: U float32, z in place) and that bf16 setup.
 Vanilla head, Markov confidence feature, sampled rows (T in (0.3, 2)).
 
 Bytes the op must move (s = weight dtype size):
-  U read and z written in place, float32:          2 * 4 R gamma V
+  U read (float32, or bf16 with bf16 weights), z written (float32): (s_U + 4) R gamma V
   W2 [V, r]: step k needs all of it (its input, x_{k-1}, is step k-1's sample), once per step
   for the whole batch -- gamma V r s; once in all when V r s fits in L2 (CPU shapes, say):  V r s
   W1[x_{k-1}] rows and hidden h_k:                 R gamma (r + d) s
@@ -44,7 +45,8 @@ def shapes(cuda: bool, quick: bool):
 
 def must_move(R, G, V, r, d, s, l2) -> int:
     w2_passes = G if V * r * s > l2 else 1
-    return 2 * 4 * R * G * V + s * (w2_passes * V * r + R * G * (r + d) + d + r + 1) + 36 * R + 20 * R * G
+    s_u = 2 if s == 2 else 4  # U in the 16-bit weight dtype, else float32
+    return (s_u + 4) * R * G * V + s * (w2_passes * V * r + R * G * (r + d) + d + r + 1) + 36 * R + 20 * R * G
 
 
 def torch_baseline(logits, hidden, anchor, w1, w2, temperature):
@@ -71,10 +73,13 @@ def measure(rep, args, dev, R, G, V, r, d, wdt, l2):
     for k in ("hidden", "w1", "w2", "conf_w", "conf_b"):
         kw[k] = kw[k].to(wdt)
     U0 = kw.pop("logits")
-    logits = U0.clone()
     hidden, anchor, head = kw.pop("hidden"), kw.pop("anchor"), kw.pop("head")
-    call = lambda backend: ops.markov_sample(logits, hidden, anchor, head, backend=backend, **kw)
-    restore = lambda: logits.copy_(U0)
+    narrow = wdt != torch.float32  # a 16-bit model: its U as it is, z out of place
+    U = U0.to(wdt) if narrow else U0
+    logits = torch.empty_like(U0) if narrow else U0.clone()  # z
+    call = lambda backend: ops.markov_sample(U if narrow else logits, hidden, anchor, head,
+                                             backend=backend, out=logits, **kw)
+    restore = (lambda: None) if narrow else (lambda: logits.copy_(U0))
     # Benchmarked inputs are checked inputs: the tokens must be the reference's.
     restore()
     ours = call(be)[0].clone()
@@ -82,13 +87,15 @@ def measure(rep, args, dev, R, G, V, r, d, wdt, l2):
     match = float((ours == call("reference")[0]).double().mean())
     us, how = time_us(lambda: call(be), dev, setup=restore)
     ref_us = median_us(lambda: call("reference"), dev, setup=restore, warmup=1, runs=5)
-    base_us = baseline_us(lambda: torch_baseline(logits, hidden, anchor, kw["w1"], kw["w2"],
-                                                 kw["temperature"]), dev, setup=restore)
+    # plain torch casts a 16-bit U to float32 first (the pass the kernel does without)
+    base_us = baseline_us(lambda: torch_baseline(U.float() if narrow else logits, hidden, anchor,
+                                                 kw["w1"], kw["w2"], kw["temperature"]),
+                          dev, setup=restore)
     extra = {}
     if args.compile:
         extra["compiled_ref_us"] = compiled_us(
-            lambda: reference.markov_sample(logits, hidden, anchor, head, **kw), dev,
-            setup=restore, runs=5)
+            lambda: reference.markov_sample(logits.copy_(U) if narrow else logits, hidden, anchor,
+                                            head, **kw), dev, setup=restore, runs=5)
     s = torch.finfo(wdt).bits // 8
     rep.add(f"R={R} gamma={G} V={V} r={r} weights={str(wdt)[6:]}", us, ref_us,
             must_move(R, G, V, r, d, s, l2), 2 * R * G * V * r, base_us=base_us, timed=how,

@@ -29,8 +29,8 @@
 #   preflight        10      30   python + torch import, NVML, nvcc --version
 #   build            45     100   cmake configure + 5 .cu (markov_sample.cu alone: 18 s of one
 #                                 loaded core for sm_90a here) in parallel on 16 cores, one arch
-#   tests_ops        60     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
-#                                 ~290 cases, a few at 32k context / 32k vocabulary
+#   tests_ops        65     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
+#                                 ~390 cases, a few at 32k context / 32k vocabulary
 #   tests_graphs     30      50   pytest -m gpu test_graphs.py test_greedy_equality.py
 #   kernels          95     130   bench/bench_kernels.py: 4 ops, 26 goal shapes, one process;
 #                                 each reference timing stops after 3 runs past 3 s; the
@@ -40,7 +40,7 @@
 #   sanitizer       100    rest   probe (nvcc + a 1-kernel program), memcheck, racecheck
 #                                 (each <= 110 s inside the test; skipped when refused)
 #   summary           5      15   reserved
-#   total          ~410     540   + machine start 60-120 s + transfers: ~11.5 of 15 lease minutes,
+#   total          ~415     540   + machine start 60-120 s + transfers: ~11.5 of 15 lease minutes,
 #                                 60 s under the 10-minute command limit (call with timeout_s 600)
 set -uo pipefail
 

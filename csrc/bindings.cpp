@@ -141,6 +141,8 @@ PYBIND11_MODULE(_C, m) {
     DefEnum(c, cls, "weight_dtype", &P::weight_dtype, 0, kMaxDType);
     DefEnum(c, cls, "out_dtype", &P::out_dtype, 0, kMaxDType);
     DefPtr(c, "logits", &P::logits);
+    DefPtr(c, "u", &P::u);
+    DefEnum(c, cls, "u_dtype", &P::u_dtype, 0, kMaxDType);
     DefPtr(c, "hidden", &P::hidden);
     DefPtr(c, "anchor", &P::anchor);
     DefPtr(c, "w1", &P::w1);

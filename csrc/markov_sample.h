@@ -22,6 +22,10 @@ struct MarkovSampleParams {
 
   void* logits = nullptr;          // [R, gamma, V] in: base logits U; out: z = U + bias
                                    // (selector: -inf outside the step's top_k candidates)
+  const void* u = nullptr;         // [R, gamma, V] or null: U is read from here and `logits`
+                                   // only written (out of place; must not overlap it)
+  DType u_dtype = DType::kFloat32; // of u: dtype, or the 16-bit weight_dtype under float32
+                                   // logits (a 16-bit model's LM head output, widened on load)
   const void* hidden = nullptr;    // [R, gamma, d]
   const int64_t* anchor = nullptr; // [R] x0
   const void* w1 = nullptr;        // [V, rank]  markov_w1.weight (embedding)

@@ -303,23 +303,38 @@ def test_device_metadata_equals_host_metadata(pair):
 
 
 def test_a_bf16_model_serves_bf16_head_weights(pair, monkeypatch):
-    """The Markov op gets the drafter's own bf16 weights and hidden states with fp32 logits (its
-    16-bit kernel path: the benchmarked path is the served one); the output is still plain
-    decoding's."""
+    """The Markov op gets the drafter's own bf16 weights and hidden states, and the LM head's
+    bf16 U as it is with a float32 z buffer (its 16-bit kernel path, no cast pass: the
+    benchmarked path is the served one); every token and logprob is what U widened first gives,
+    and greedy output is still plain decoding's."""
     from dspark_rt import ops
     seen, real = [], ops.markov_sample
+    widen = [False]
 
     def spy(logits, hidden, anchor, head, **kw):
-        seen.append((logits.dtype, hidden.dtype, kw["w2"].dtype))
+        seen.append((logits.dtype, kw["out"].dtype, hidden.dtype, kw["w2"].dtype))
+        if widen[0]:  # the old path: a cast pass, then z in place
+            z = kw.pop("out")
+            z.copy_(logits.float())
+            return real(z, hidden, anchor, head, **kw)
         return real(logits, hidden, anchor, head, **kw)
 
     monkeypatch.setattr(ops, "markov_sample", spy)
-    p = SamplingParams(max_tokens=10, **GREEDY)
-    dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", dtype="bfloat16")
-    out = dec.generate([[1, 2, 3], [4, 5]], p, use_tqdm=False)
-    ar = Decoder.from_pretrained(pair[0], mode="ar", dtype="bfloat16").generate([[1, 2, 3], [4, 5]], p, use_tqdm=False)
-    assert seen and set(seen) == {(torch.float32, torch.bfloat16, torch.bfloat16)}
-    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    params = [SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=True),
+              SamplingParams(max_tokens=10, temperature=0.7, top_p=0.8, seed=4, logprobs=True),
+              SamplingParams(max_tokens=10, **GREEDY)]
+    runs = []
+    for w in (False, True):
+        widen[0] = w
+        dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark", dtype="bfloat16")
+        runs.append(dec.generate(prompts, params, use_tqdm=False))
+    assert seen and set(seen) == {(torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16)}
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert sum(o.metrics.num_accepted_tokens for o in runs[0]) > 0
+    ar = Decoder.from_pretrained(pair[0], mode="ar", dtype="bfloat16").generate(prompts[2:], params[2:], use_tqdm=False)
+    assert runs[0][2].token_ids == ar[0].token_ids
 
 
 def test_a_bf16_model_verifies_on_its_own_logits(pair, monkeypatch):

@@ -88,6 +88,37 @@ def test_markov_sample_bf16_weights(case):
     _check_markov(case, torch.float32, _bf16_weights(oc.markov_inputs(case)))
 
 
+def _markov_out_of_place(kw, backend, U):
+    """markov_sample reading U (kept) and writing z into a fresh float32 / float64 buffer."""
+    kw = _clone(kw)
+    kw.pop("logits")
+    z = torch.full(U.shape, float("nan"), dtype=torch.float64 if U.dtype == torch.float64 else torch.float32)
+    out = ops.markov_sample(U, kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"), backend=backend,
+                            out=z, **kw)
+    return (z, *out)
+
+
+@pytest.mark.parametrize("case", oc.MARKOV_CASES, ids=str)
+def test_markov_out_of_place(case):
+    """U read from its own tensor, z written to out: U in the logits dtype, and a bf16 model's
+    U in bf16 (its LM head output as it is); every output equals the in-place run on U
+    widened first, exactly, and U is left as it was."""
+    for key, (dtype, wide) in enumerate([(torch.float32, False), (torch.float64, False),
+                                        (torch.float32, True)]):
+        kw = oc.markov_inputs(case, dtype=dtype, key=key)
+        if wide:
+            kw = _bf16_weights(kw)
+            kw["logits"] = kw["logits"].bfloat16().to(dtype)  # values a bf16 U holds
+        U = kw["logits"].bfloat16() if wide else kw["logits"].clone()
+        kept = U.clone()
+        for backend in ("cpp", "reference"):
+            want = _markov(kw, backend)
+            got = _markov_out_of_place(kw, backend, U)
+            for a, b in zip(want, got):
+                assert torch.equal(a, b), (backend, oc.where(case, key))
+            assert torch.equal(U, kept), (backend, oc.where(case, key))
+
+
 def _flipped_rows(case, kw, z, rz, r64z):
     """[R, gamma] rows of z whose float32 tolerance (module docstring) one bf16 rounding step
     of u excuses, with bf16 weights. u (g * e gated, tanh(out) rnn) is formed in float32 by
@@ -587,6 +618,27 @@ def test_bad_inputs_markov():
     _raises(lambda: run(gate_w=kw["gate_w"][:, 1:]), "gate_w")
     _raises(lambda: run(temperature=kw["temperature"].double()), "temperature")
     _raises(lambda: run(seed=kw["seed"][:1]), "seed")
+
+
+def test_bad_out_markov():
+    """markov_sample's out: named when it has the wrong shape, device layout or overlaps U; U in
+    a dtype that is neither out's nor the weights' is named; out=logits is in place."""
+    kw = _bf16_weights(oc.markov_inputs(oc.MarkovCase(2, 3, 40, "vanilla")))
+    U = kw.pop("logits")
+    args = (kw.pop("hidden"), kw.pop("anchor"), kw.pop("head"))
+    run = lambda u, out: ops.markov_sample(u, *args, out=out, **_clone(kw))
+    _raises(lambda: run(U, torch.empty(2, 3, 41)), "out", "shape")
+    _raises(lambda: run(U, torch.empty(2, 40, 3).transpose(1, 2)), "out", "contiguous")
+    flat = torch.zeros(280)
+    flat[:240] = U.float().view(-1)
+    _raises(lambda: run(flat[:240].view(2, 3, 40), flat[40:].view(2, 3, 40)), "out", "overlap")
+    _raises(lambda: run(U.half(), torch.empty(2, 3, 40)), "logits", "float16", "bfloat16")
+    _raises(lambda: run(U.double(), torch.empty(2, 3, 40)), "logits", "float64")
+    z = U.clone()
+    want = ops.markov_sample(z, *args, **_clone(kw))
+    inplace = U.clone()
+    got = run(inplace, inplace)
+    assert torch.equal(inplace, z) and all(torch.equal(a, b) for a, b in zip(want, got))
 
 
 def test_bad_weight_dtypes_markov():

@@ -185,6 +185,29 @@ def test_markov_sample_16bit_weights(case, wdt):
         _check_markov(case, F32, kw, _markov(_cpu(kw), "cpp"), got, where + " (vs cpp)")
 
 
+@pytest.mark.parametrize("case", MARKOV_CASES, ids=str)
+def test_markov_sample_out_of_place(case):
+    """U read from its own tensor and z written to out (the served bf16 path: the LM head's U as
+    it is, no cast pass): every output bit-equal to the in-place run on U widened first, U kept;
+    float32 U into a float32 out likewise."""
+    for wdt in (BF16, F32):
+        kw = _markov_inputs(case, F32)
+        if wdt == BF16:
+            kw = {k: v.to(wdt) if k in WEIGHT_KEYS and v is not None else v for k, v in kw.items()}
+        U = kw["logits"].to(wdt)
+        kw["logits"] = U.float()
+        want = _markov(kw, None if case.head == "rnn" else "cuda")
+        kept, run = U.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        run.pop("logits")
+        z = torch.full(U.shape, math.nan, device=DEV)
+        got = ops.markov_sample(U, run.pop("hidden"), run.pop("anchor"), run.pop("head"), out=z,
+                                backend=None if case.head == "rnn" else "cuda", **run)
+        for a, b in zip(want, (z, *got)):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), \
+                oc.where(case) + f" U {wdt}"
+        assert torch.equal(U, kept), oc.where(case)
+
+
 def test_markov_rnn_kernel_refuses():
     """An explicit backend="cuda" reaches the kernel, which has no rnn path and says so."""
     kw = _markov_inputs(oc.MarkovCase(2, 3, 100, "rnn", rank=8, d=16), F32)

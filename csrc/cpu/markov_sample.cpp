@@ -20,7 +20,10 @@
 // head weights and hidden once per call, w1 one row per request and step, w2 in registers as
 // the sweep streams it (2 bytes per element). The projected vector u is rounded to bfloat16
 // first, as the reference and the CUDA kernel do.
+// Out of place (p.u): U is copied into z first, widened exactly from bfloat16 where it is in the
+// weight dtype, and the stage then runs in place on z.
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -257,6 +260,18 @@ Status Run(const MarkovSampleParams& p) {
   const int64_t R = p.R, rank = p.rank, d = p.d;
   const bool wd = c.widen = p.weight_dtype != p.dtype;
   c.logits = static_cast<T*>(p.logits);
+  if (p.u && p.u != p.logits) {
+    const int64_t V = p.V;
+    ParallelFor(R * p.gamma, R * p.gamma * V > (1 << 16), [&](int64_t row) {
+      T* z = c.logits + row * V;
+      if (p.u_dtype == p.dtype) {
+        std::memcpy(z, static_cast<const T*>(p.u) + row * V, sizeof(T) * V);
+      } else {
+        const uint16_t* u = static_cast<const uint16_t*>(p.u) + row * V;
+        for (int64_t v = 0; v < V; ++v) z[v] = static_cast<T>(Bf16ToFloat(u[v]));
+      }
+    });
+  }
   c.w1 = p.w1;
   c.w2 = p.w2;
   c.hidden = Widened<T>(p.hidden, R * p.gamma * d, wd, c.widened[0]);
@@ -329,6 +344,9 @@ Status Validate(const MarkovSampleParams& p) {
     return Status::kUnsupported;
   }
   if (p.out_dtype != p.dtype) return Status::kBadArgument;  // float64 iff dtype is float64
+  if (p.u && p.u_dtype != p.dtype && !(p.u_dtype == p.weight_dtype && p.weight_dtype != p.dtype)) {
+    return Status::kUnsupported;  // U in the logits dtype, or in the (bf16) weight dtype
+  }
   if (p.R == 0 || p.gamma == 0) return Status::kOk;
   if (p.V < 1 || !p.logits || !p.anchor || !p.temperature || !p.seed || !p.stream || !p.round ||
       !p.tokens || !p.logprob || !p.lse || !p.conf_logit || (p.d > 0 && !p.hidden)) {

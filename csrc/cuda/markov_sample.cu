@@ -18,7 +18,10 @@
 //
 // Types: T is the logits' (z and every rounding of the head's arithmetic, as the reference
 // rounds it), W the weights' and hidden's (W = T, or 16-bit under float logits: a bf16 model's
-// head streams 2-byte W2 through tensor cores and still forms z in float32).
+// head streams 2-byte W2 through tensor cores and still forms z in float32). Out of place
+// (p.u), U is read from p.u and z written over p.logits; U may then be in W under float T (a
+// 16-bit model's LM head output as it is: 2 bytes read per entry instead of a 6-byte cast pass
+// before the call and 4 bytes read in it).
 //
 // Requests are processed in groups of up to 64 (the bias tile and e_eff of a group live in
 // shared memory); all groups share one sweep launch per step, their blocks co-resident and
@@ -31,6 +34,7 @@
 #include "markov_sample.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/head_proj.cuh"
@@ -56,7 +60,8 @@ struct Partial {
 };
 
 struct SweepArgs {
-  void* logits;           // [R, gamma, V]
+  void* logits;           // [R, gamma, V] z (and U when in place)
+  const void* u;          // [R, gamma, V] U: logits itself, or another buffer (out of place)
   const void* w2;         // [V, rank]
   const void* e_eff;      // [R, rank] in the weight dtype: e, or g * e for the gated head
   const float* temperature;
@@ -168,7 +173,7 @@ __device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, int G, const fl
 }
 
 // ---- the sweep --------------------------------------------------------------------------------
-template <class T, class W, bool kMma>
+template <class T, class W, bool kMma, class U>
 __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   // Block = (request group, tile cursor): the groups' blocks are co-resident and walk the same
@@ -178,6 +183,8 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   const int r0 = group * a.G, G = min(a.G, a.R - r0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   T* const logits = static_cast<T*>(a.logits) + static_cast<int64_t>(r0) * a.gamma * a.V;
+  const U* const ulogits = static_cast<const U*>(a.u) + static_cast<int64_t>(r0) * a.gamma * a.V;
+  const bool write_z = a.has_bias || a.u != a.logits;  // no head in place: z is U already
   const float* const temperature = a.temperature + r0;
   const int gpad = (G + 7) & ~7, bs = a.tv + 4;
   // Per-warp running partials of every request: a warp only touches its own slots.
@@ -229,17 +236,19 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
       if (vb >= a.V) continue;  // warp-uniform
       const int v = vb + lane * 4;
       const int nvalid = max(0, min(4, a.V - v));
-      T* row = logits + (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
+      const int64_t ro = (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
+      T* row = logits + ro;
+      const U* urow = ulogits + ro;
       float4 x = make_float4(-kInfF, -kInfF, -kInfF, -kInfF);
       if (nvalid == 4 && a.vec) {
-        // a coherent load: this kernel writes the row back in place below (z = U + bias), and a
+        // a coherent load: in place, this kernel writes the row back below (z = U + bias), and a
         // read-only (.nc) load of memory the same kernel writes is only safe by accident
-        x = Load4Coherent(row + v);
+        x = Load4Coherent(urow + v);
       } else {
-        if (nvalid > 0) x.x = ToFloat(row[v]);
-        if (nvalid > 1) x.y = ToFloat(row[v + 1]);
-        if (nvalid > 2) x.z = ToFloat(row[v + 2]);
-        if (nvalid > 3) x.w = ToFloat(row[v + 3]);
+        if (nvalid > 0) x.x = ToFloat(urow[v]);
+        if (nvalid > 1) x.y = ToFloat(urow[v + 1]);
+        if (nvalid > 2) x.z = ToFloat(urow[v + 2]);
+        if (nvalid > 3) x.w = ToFloat(urow[v + 3]);
       }
       if (a.has_bias) {
         // z = U + bias with the reference's roundings: bias rounded to T, then the sum.
@@ -248,6 +257,8 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
         x.y = RoundTo<T>(x.y + RoundTo<T>(b.y));
         x.z = RoundTo<T>(x.z + RoundTo<T>(b.z));
         x.w = RoundTo<T>(x.w + RoundTo<T>(b.w));
+      }
+      if (write_z) {  // U widened from the 16-bit weight dtype is exact in T
         if (nvalid == 4 && a.vec) {
           Store4(row + v, x);
         } else {
@@ -507,22 +518,32 @@ SweepLayout MakeSweepLayout(int G, int tv, int rank, bool mma, int elem_bytes, b
   return l;
 }
 
-template <class T, class W, bool kMma>
-Status LaunchSweep(SweepArgs a, int smem, int blocks, cudaStream_t stream) {
-  auto kernel = MarkovSweepKernel<T, W, kMma>;
-  if (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-    return Status::kCudaError;
+using SweepKernel = void (*)(SweepArgs);
+
+// The sweep variant a call needs: tensor cores (16-bit weights only), and U in the 16-bit weight
+// dtype under float logits (out of place) or in T. Null: no such variant.
+template <class T, class W>
+SweepKernel SweepFor(bool mma, bool narrow_u) {
+  if constexpr (sizeof(W) == 2 && !std::is_same_v<T, W>) {
+    if (narrow_u) return mma ? MarkovSweepKernel<T, W, true, W> : MarkovSweepKernel<T, W, false, W>;
   }
-  kernel<<<blocks, kThreads, smem, stream>>>(a);
-  return LaunchStatus();
+  if (narrow_u) return nullptr;
+  if constexpr (sizeof(W) == 2) {
+    if (mma) return MarkovSweepKernel<T, W, true, T>;
+  }
+  return MarkovSweepKernel<T, W, false, T>;
 }
 
-template <class T, class W, bool kMma>
-Status SweepGrid(int smem, const DeviceLimits& lim, int* blocks) {
-  auto kernel = MarkovSweepKernel<T, W, kMma>;
+Status AllowSmem(SweepKernel kernel, int smem) {
   if (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     return Status::kCudaError;
   }
+  return Status::kOk;
+}
+
+// Co-resident blocks of the sweep at this shared-memory size.
+Status SweepGrid(SweepKernel kernel, int smem, const DeviceLimits& lim, int* blocks) {
+  if (Status st = AllowSmem(kernel, smem); st != Status::kOk) return st;
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
     return Status::kCudaError;
@@ -531,20 +552,10 @@ Status SweepGrid(int smem, const DeviceLimits& lim, int* blocks) {
   return Status::kOk;
 }
 
-// The tensor-core sweep exists for 16-bit weights only (no float instantiation).
-template <class T, class W>
-Status SweepGridFor(bool mma, int smem, const DeviceLimits& lim, int* blocks) {
-  if constexpr (sizeof(W) == 2) {
-    if (mma) return SweepGrid<T, W, true>(smem, lim, blocks);
-  }
-  return SweepGrid<T, W, false>(smem, lim, blocks);
-}
-template <class T, class W>
-Status LaunchSweepFor(bool mma, const SweepArgs& a, int smem, int blocks, cudaStream_t stream) {
-  if constexpr (sizeof(W) == 2) {
-    if (mma) return LaunchSweep<T, W, true>(a, smem, blocks, stream);
-  }
-  return LaunchSweep<T, W, false>(a, smem, blocks, stream);
+Status LaunchSweep(SweepKernel kernel, const SweepArgs& a, int smem, int blocks, cudaStream_t stream) {
+  if (Status st = AllowSmem(kernel, smem); st != Status::kOk) return st;
+  kernel<<<blocks, kThreads, smem, stream>>>(a);
+  return LaunchStatus();
 }
 
 template <class T, class W>
@@ -557,6 +568,10 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   const bool gated = p.head == MarkovHead::kGated;
   constexpr int kElem = sizeof(W);  // weights; the logits are T
   const bool mma = has_bias && kElem == 2 && rank % 32 == 0 && Aligned(p.w2, 16);
+  const bool narrow_u = p.u && p.u_dtype != p.dtype;  // U in W, z in T (validated at the door)
+  const void* u = p.u ? p.u : p.logits;
+  const SweepKernel sweep = SweepFor<T, W>(mma, narrow_u);
+  if (!sweep) return Status::kUnsupported;
 
   // Groups: as many requests per group as the shared memory takes (at most 64), the requests
   // then spread evenly over the fewest groups (equal groups finish their sweeps together).
@@ -571,7 +586,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   lay = MakeSweepLayout(G, MaxTile(G), rank, mma, kElem, has_bias);
   if (lay.bytes > lim.smem_optin) return Status::kUnsupported;
   int max_blocks = 0;  // co-resident blocks at the largest tile (smaller tiles only fit more)
-  Status st = SweepGridFor<T, W>(mma, lay.bytes, lim, &max_blocks);
+  Status st = SweepGrid(sweep, lay.bytes, lim, &max_blocks);
   if (st != Status::kOk) return st;
   // Every group gets an equal share of the co-resident blocks, and one sweep launch per step
   // serves all groups: their blocks run side by side over the same tiles (W2 from HBM once per
@@ -621,6 +636,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
 
   SweepArgs sa{};
   sa.logits = p.logits;
+  sa.u = u;
   sa.w2 = p.w2;
   sa.e_eff = e_eff;
   sa.temperature = p.temperature;
@@ -642,7 +658,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   sa.off_slot_idx = gl.off_slot_idx;
   sa.off_es = gl.off_es;
   sa.has_bias = has_bias;
-  sa.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T));
+  sa.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T)) && Aligned(u, 4 * (narrow_u ? kElem : sizeof(T)));
   sa.w2_vec = has_bias && rank % 4 == 0 && Aligned(p.w2, 4 * kElem);
 
   StepArgs ta{};
@@ -680,7 +696,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   if ((st = LaunchStatus()) != Status::kOk) return st;
   for (int k = 0; k < gamma; ++k) {
     sa.k = k;
-    st = LaunchSweepFor<T, W>(mma, sa, gl.bytes, groups * gblocks, stream);
+    st = LaunchSweep(sweep, sa, gl.bytes, groups * gblocks, stream);
     if (st != Status::kOk) return st;
     ta.k = k;
     MarkovStepKernel<T, W><<<R, kThreads, 0, stream>>>(ta);
@@ -715,6 +731,11 @@ Status MarkovSampleCuda(const MarkovSampleParams& p, void* stream) {
     return Status::kBadArgument;
   }
   if (p.dtype != DType::kFloat64 && p.out_dtype != DType::kFloat32) return Status::kBadArgument;
+  // U (out of place) in the logits dtype, or in the 16-bit weight dtype under float32 logits
+  if (p.u && p.u_dtype != p.dtype &&
+      !(p.dtype == DType::kFloat32 && p.u_dtype == p.weight_dtype && p.weight_dtype != p.dtype)) {
+    return Status::kUnsupported;
+  }
   if (!p.logits || !p.anchor || !p.temperature || !p.seed || !p.stream || !p.round || !p.tokens ||
       !p.logprob || !p.lse || !p.conf_logit) {
     return Status::kBadArgument;

@@ -37,11 +37,13 @@
 //
 // Types: T is the logits' (z and the roundings of the head's arithmetic, as the reference rounds
 // them), W the weights' and hidden's (W = T, or bf16 / fp16 under float32 logits), as in
-// markov_sample.cu. top_k <= kSelectMaxTopK (256) and rank <= kSelectMaxRank (1024), else
+// markov_sample.cu; out of place (p.u), U is read from p.u, in T or in W, and z written over
+// p.logits. top_k <= kSelectMaxTopK (256) and rank <= kSelectMaxRank (1024), else
 // kUnsupported.
 #include "cuda/markov_select.cuh"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/head_proj.cuh"
@@ -174,7 +176,8 @@ __device__ __forceinline__ void MergeLists(const uint64_t* keys, const float* va
 
 // ---- top-k of U, and the -inf fill ------------------------------------------------------------
 struct TopkArgs {
-  void* logits;        // [N, V]
+  void* logits;        // [N, V] z: -inf written over every entry
+  const void* u;       // [N, V] U, read (logits itself when in place)
   uint64_t* part_key;  // [N, S, K]
   float* part_val;     // [N, S, K]
   int V, K, S, slice;  // slice: entries per block, a multiple of kChunk
@@ -194,7 +197,7 @@ __device__ __forceinline__ float4 LoadQuad(const T* rp, int v, int hi, bool vec)
   return x;
 }
 
-template <class T, int E>
+template <class T, class U, int E>
 __global__ void __launch_bounds__(kThreads) SelectTopkKernel(TopkArgs a) {
   __shared__ uint64_t sk[kWarps * 32 * E];
   __shared__ float sv[kWarps * 32 * E];
@@ -202,6 +205,7 @@ __global__ void __launch_bounds__(kThreads) SelectTopkKernel(TopkArgs a) {
   const int64_t row = blockIdx.x;
   const int split = blockIdx.y, K = a.K;
   const int lo = split * a.slice, hi = min(a.V, lo + a.slice);
+  const U* up = static_cast<const U*>(a.u) + row * a.V;
   T* rp = static_cast<T*>(a.logits) + row * a.V;
 
   WarpTopK<E> top;
@@ -212,7 +216,7 @@ __global__ void __launch_bounds__(kThreads) SelectTopkKernel(TopkArgs a) {
   for (int base = lo + warp * kChunk; base < hi; base += kWarps * kChunk * kU) {
     float4 xs[kU];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) xs[u] = LoadQuad(rp, base + u * kWarps * kChunk + lane * 4, hi, a.vec);
+    for (int u = 0; u < kU; ++u) xs[u] = LoadQuad(up, base + u * kWarps * kChunk + lane * 4, hi, a.vec);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int v = base + u * kWarps * kChunk + lane * 4;
@@ -419,9 +423,9 @@ __global__ void __launch_bounds__(kThreads) SelectStepKernel(StepArgs a) {
 }
 
 // ---- host -------------------------------------------------------------------------------------
-template <class T, int E>
+template <class T, class U, int E>
 Status LaunchTopk(const TopkArgs& a, int64_t N, cudaStream_t stream) {
-  SelectTopkKernel<T, E><<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(a.S)), kThreads, 0, stream>>>(a);
+  SelectTopkKernel<T, U, E><<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(a.S)), kThreads, 0, stream>>>(a);
   return LaunchStatus();
 }
 
@@ -475,14 +479,21 @@ Status SelectLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
 
   TopkArgs ta{};
   ta.logits = p.logits;
+  ta.u = p.u ? p.u : p.logits;
   ta.part_key = part_key;
   ta.part_val = part_val;
   ta.V = V;
   ta.K = K;
   ta.S = static_cast<int>(S);
   ta.slice = slice;
-  ta.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T));
-  st = K <= 64 ? LaunchTopk<T, 2>(ta, N, stream) : LaunchTopk<T, 8>(ta, N, stream);
+  // U in the 16-bit weight dtype under float logits (out of place), else in T
+  const bool narrow_u = p.u && p.u_dtype != p.dtype;
+  st = Status::kUnsupported;
+  ta.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T)) && Aligned(ta.u, 4 * (narrow_u ? sizeof(W) : sizeof(T)));
+  if constexpr (!std::is_same_v<T, W>) {
+    if (narrow_u) st = K <= 64 ? LaunchTopk<T, W, 2>(ta, N, stream) : LaunchTopk<T, W, 8>(ta, N, stream);
+  }
+  if (!narrow_u) st = K <= 64 ? LaunchTopk<T, T, 2>(ta, N, stream) : LaunchTopk<T, T, 8>(ta, N, stream);
   if (st != Status::kOk) return st;
 
   if (S > 1) {

@@ -98,7 +98,8 @@ class DFlash2Drafter(Drafter):
     head = property(lambda self: "selector")
     top_k = property(lambda self: self.candidate_selector.top_k)
 
-    def logits(self, hidden):
+    def logits(self, hidden, dtype=None):
+        """The capped unary, float32 whatever dtype asks (its scale and cap run on float32)."""
         return self.unary_logits(hidden)
 
     @torch.no_grad()

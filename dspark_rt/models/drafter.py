@@ -123,9 +123,10 @@ class Drafter(nn.Module):
         scale = self.config.input_embedding_scale  # z-lab dflash_config.input_embedding_scale
         return e if scale == 1.0 else e * scale
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Base logits U = the target's lm_head(hidden): float32 (float64 for float64 targets)."""
-        return self._lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Base logits U = the target's lm_head(hidden) in dtype: by default float32 (float64 for
+        float64 targets); the model's own dtype gives the product as it is (no cast)."""
+        return self._lm_head(hidden, dtype)
 
     # -- compute ------------------------------------------------------------------------------
     @torch.no_grad()

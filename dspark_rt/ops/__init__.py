@@ -111,6 +111,23 @@ def _markov_backend(device: torch.device, backend, dtype, head, weight_dtype=Non
     return be
 
 
+def _markov_out(op, logits, out):
+    """The tensor markov_sample writes z into: logits itself (out None, or out is logits), or
+    out, checked: contiguous, logits' shape and device, no overlap with logits."""
+    if out is None:
+        return logits
+    if isinstance(out, torch.Tensor) and not out.is_contiguous():
+        fail(op, "out must be contiguous (z is written into it)")
+    out = tensor(op, "out", out, shape=tuple(logits.shape), device=logits.device)
+    if out.data_ptr() == logits.data_ptr() and out.dtype == logits.dtype:
+        return logits
+    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    ulo, uhi = logits.data_ptr(), logits.data_ptr() + logits.numel() * logits.element_size()
+    if lo < uhi and ulo < hi:
+        fail(op, "out must not overlap logits (pass out=logits, or None, to work in place)")
+    return out
+
+
 _CUDA_SELECT_MAX_TOP_K = 256  # csrc/cuda/markov_select.cuh kSelectMaxTopK
 
 
@@ -186,7 +203,7 @@ def _ptr(t):
 
 def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None, gate_b=None,
                   joint_w=None, joint_b=None, conf_w=None, conf_b=None, temperature, seed,
-                  stream, round_, coupled=None, top_k=None, backend=None):
+                  stream, round_, coupled=None, top_k=None, out=None, backend=None):
     """Sequential drafting stage; see reference.markov_sample for the semantics.
 
     head "selector" (DFlash2's candidate selector) takes gate_w [rank, d] (no gate_b) and top_k,
@@ -201,7 +218,10 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     number of tokens they emitted so far (DESIGN §2, coupled sampling).
 
     logits [R, gamma, V] is overwritten with the corrected logits z = U + bias (pass a clone to
-    keep U). Returns (tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma]).
+    keep U), or, given out [R, gamma, V], only read: z is written into out, whose dtype is then
+    the compute dtype, and logits may also be in the 16-bit weight dtype under float32 out (a
+    16-bit model's LM head output as it is, widened exactly on load: no cast pass). out=logits
+    is in place. Returns (tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma]).
     """
     op = "markov_sample"
     if head not in HEADS:
@@ -209,15 +229,19 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         fail(op, f"logits must be a [R, gamma, V] tensor, got "
                  f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
-    if not logits.is_contiguous():
-        fail(op, "logits must be contiguous (it is written in place)")
     R, gamma, V = logits.shape
     if V < 1:
         fail(op, f"logits must have a vocabulary of V >= 1, got shape {tuple(logits.shape)}")
     dev = logits.device
-    fdt = logits.dtype
+    z = _markov_out(op, logits, out)
+    if not logits.is_contiguous():
+        fail(op, "logits must be contiguous" + (" (it is written in place)" if z is logits else ""))
+    fdt = z.dtype  # the compute dtype
     hidden = tensor(op, "hidden", hidden, ndim=3, device=dev)
     wdt = hidden.dtype  # the weight dtype: hidden's, shared by every head weight
+    if logits.dtype not in (fdt, wdt):
+        fail(op, f"logits ({logits.dtype}) must be in out's dtype ({fdt}) or, a 16-bit model's, "
+                 f"in the weight dtype ({wdt})")
     be = _markov_backend(dev, backend, fdt, head, wdt)
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
@@ -261,7 +285,9 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
     coupled = _coupled(op, coupled, R, dev)
     if be == "reference":
-        return reference.markov_sample(logits, hidden, anchor, head, w1, w2, gate_w, gate_b,
+        if z is not logits:
+            z.copy_(logits)  # exact: the widening is the only rounding-free cast
+        return reference.markov_sample(z, hidden, anchor, head, w1, w2, gate_w, gate_b,
                                        joint_w, joint_b, conf_w, conf_b, temperature, seed,
                                        stream, round_, coupled, top_k)
     out_dt = torch.float64 if fdt == torch.float64 else torch.float32
@@ -273,7 +299,9 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     p.head, p.top_k = HEADS.index(head), top_k or 0
     p.confidence, p.confidence_markov = conf_w is not None, conf_markov
     p.dtype, p.weight_dtype, p.out_dtype = _DTYPE_CODE[fdt], _DTYPE_CODE[wdt], _DTYPE_CODE[out_dt]
-    p.logits, p.hidden, p.anchor = _ptr(logits), _ptr(hidden), _ptr(anchor)
+    p.logits, p.hidden, p.anchor = _ptr(z), _ptr(hidden), _ptr(anchor)
+    if z is not logits:
+        p.u, p.u_dtype = _ptr(logits), _DTYPE_CODE[logits.dtype]
     p.w1, p.w2, p.gate_w, p.gate_b = _ptr(w1), _ptr(w2), _ptr(gate_w), _ptr(gate_b)
     p.joint_w, p.joint_b, p.conf_w, p.conf_b = _ptr(joint_w), _ptr(joint_b), _ptr(conf_w), _ptr(conf_b)
     p.temperature, p.seed, p.stream, p.round = _ptr(temperature), _ptr(seed), _ptr(stream), _ptr(round_)
