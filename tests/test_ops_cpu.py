@@ -634,6 +634,10 @@ def test_bad_out_markov():
     _raises(lambda: run(flat[:240].view(2, 3, 40), flat[40:].view(2, 3, 40)), "out", "overlap")
     _raises(lambda: run(U.half(), torch.empty(2, 3, 40)), "logits", "float16", "bfloat16")
     _raises(lambda: run(U.double(), torch.empty(2, 3, 40)), "logits", "float64")
+    f16 = {k: v.half() if k in WEIGHTS and v is not None else v for k, v in kw.items()}
+    _raises(lambda: ops.markov_sample(U.half(), args[0].half(), *args[1:], backend="cpp",
+                                      out=torch.empty(2, 3, 40, dtype=torch.float16), **f16),
+            "out dtype", "float16", "cpp")
     z = U.clone()
     want = ops.markov_sample(z, *args, **_clone(kw))
     inplace = U.clone()

@@ -85,7 +85,7 @@ _MARKOV_MIXED = {
 }
 
 
-def _markov_backend(device: torch.device, backend, dtype, head, weight_dtype=None):
+def _markov_backend(device: torch.device, backend, dtype, head, weight_dtype=None, arg="logits"):
     """markov_sample's backend: _backend's for the logits dtype, falling back by default to the
     reference where the kernel does not take the (logits, weights) dtype pair, and routing by
     default the rnn head on CUDA tensors to the reference. The CUDA kernel has no rnn path (its
@@ -95,7 +95,7 @@ def _markov_backend(device: torch.device, backend, dtype, head, weight_dtype=Non
     An explicit backend="cuda" still reaches the kernel, which refuses the rnn head."""
     op = "markov_sample"
     wdt = dtype if weight_dtype is None else weight_dtype
-    be = _backend(op, device, backend, dtype, "logits")
+    be = _backend(op, device, backend, dtype, arg)
     takes = lambda b: wdt == dtype or (dtype, wdt) in _MARKOV_MIXED[b]
     if not takes("reference"):
         fail(op, f"hidden and head weights ({wdt}) cannot serve {dtype} logits: the weight "
@@ -242,7 +242,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     if logits.dtype not in (fdt, wdt):
         fail(op, f"logits ({logits.dtype}) must be in out's dtype ({fdt}) or, a 16-bit model's, "
                  f"in the weight dtype ({wdt})")
-    be = _markov_backend(dev, backend, fdt, head, wdt)
+    be = _markov_backend(dev, backend, fdt, head, wdt, "logits" if z is logits else "out")
     d = hidden.shape[2]
     tensor(op, "hidden", hidden, shape=(R, gamma, d))
     anchor = tensor(op, "anchor", anchor, dtype=torch.int64, shape=(R,), device=dev)
