@@ -21,8 +21,11 @@ FLOPs: 2 R gamma V r (the projection W2 e). Floor = max(bytes / copy, FLOPs / ma
 Baseline, what plain torch does for the same job: per step e = W1[x], bias = e @ W2^T (cuBLAS),
 z += bias, softmax(z / T), a sample by the exponential race argmax(p / E) (multinomial without
 its host sync, so the loop is CUDA-graph capturable), logsumexp. Timed by CUDA-graph replay on
-CUDA, as is the kernel; the reference eagerly.
+CUDA, as is the kernel; the reference eagerly. On CUDA each row also keeps plain_launch_us, the
+kernel with DSPARK_CUDA_PDL=0 (no dependent launches between its per-step kernels).
 """
+import os
+
 import torch
 
 from dspark_rt.testing.bench import (Report, backend_for, baseline_us, compiled_us, free, l2_bytes,
@@ -92,6 +95,12 @@ def measure(rep, args, dev, R, G, V, r, d, wdt, l2):
                                                  kw["w1"], kw["w2"], kw["temperature"]),
                           dev, setup=restore)
     extra = {}
+    if dev.type == "cuda":  # the per-step kernels launched plainly: what dependent launches save
+        os.environ["DSPARK_CUDA_PDL"] = "0"
+        try:
+            extra["plain_launch_us"] = round(time_us(lambda: call(be), dev, setup=restore)[0], 1)
+        finally:
+            del os.environ["DSPARK_CUDA_PDL"]
     if args.compile:
         extra["compiled_ref_us"] = compiled_us(
             lambda: reference.markov_sample(logits.copy_(U) if narrow else logits, hidden, anchor,

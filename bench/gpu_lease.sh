@@ -32,15 +32,16 @@
 #   tests_ops        65     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
 #                                 ~390 cases, a few at 32k context / 32k vocabulary
 #   tests_graphs     30      50   pytest -m gpu test_graphs.py test_greedy_equality.py
-#   kernels          95     130   bench/bench_kernels.py: 4 ops, 26 goal shapes, one process;
+#   kernels         105     130   bench/bench_kernels.py: 4 ops, 26 goal shapes, one process;
 #                                 each reference timing stops after 3 runs past 3 s; the
-#                                 FlexAttention compile (one shape) comes last; JSON per row
+#                                 FlexAttention compile (one shape) comes last; JSON per row;
+#                                 markov rows also time plain launches (+~10 s)
 #   e2e              70      80   bench_e2e.py qwen3-8b, accept 0.8, batch 1 32, 16 tokens,
 #                                 ar / dspark fixed / dspark async (JSON kept per row)
 #   sanitizer       100    rest   probe (nvcc + a 1-kernel program), memcheck, racecheck
 #                                 (each <= 110 s inside the test; skipped when refused)
 #   summary           5      15   reserved
-#   total          ~415     540   + machine start 60-120 s + transfers: ~11.5 of 15 lease minutes,
+#   total          ~425     540   + machine start 60-120 s + transfers: ~11.5 of 15 lease minutes,
 #                                 60 s under the 10-minute command limit (call with timeout_s 600)
 set -uo pipefail
 

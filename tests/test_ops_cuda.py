@@ -208,6 +208,22 @@ def test_markov_sample_out_of_place(case):
         assert torch.equal(U, kept), oc.where(case)
 
 
+@pytest.mark.parametrize("case", [MC(1, 7, 32768, "vanilla", rank=256, d=128, conf="markov"),
+                                  MC(70, 3, 3000, "gated", rank=32, d=32, temps="sampled"),
+                                  MC(131, 3, 4100, "vanilla", rank=64, d=32, temps="mixed")], ids=str)
+def test_markov_sample_dependent_launches_change_nothing(case, monkeypatch):
+    """The per-step kernels as programmatic dependent launches (sm_90+: each waits for its
+    predecessor inside the kernel) give bit for bit the plain launches' outputs."""
+    kw = {k: v.to(BF16) if k in WEIGHT_KEYS and v is not None else v
+          for k, v in _markov_inputs(case, F32).items()}
+    runs = []
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("DSPARK_CUDA_PDL", pdl)
+        runs.append(_markov(kw, "cuda"))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), oc.where(case)
+
+
 def test_markov_rnn_kernel_refuses():
     """An explicit backend="cuda" reaches the kernel, which has no rnn path and says so."""
     kw = _markov_inputs(oc.MarkovCase(2, 3, 100, "rnn", rank=8, d=16), F32)

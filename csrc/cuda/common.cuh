@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <utility>
 
 #include "common.h"
 
@@ -154,6 +156,7 @@ struct DeviceLimits {
   int device = 0;
   int sm_count = 0;
   int smem_optin = 0;  // bytes of shared memory a block may opt into
+  int cc_major = 0;    // compute capability
 };
 
 // Limits of the current device, read once per device.
@@ -170,7 +173,8 @@ inline Status CurrentDeviceLimits(DeviceLimits* out) {
   l.device = dev;
   if (cudaDeviceGetAttribute(&l.sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&l.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&l.cc_major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
     return Status::kCudaError;
   }
   if (dev < 64) {
@@ -179,6 +183,48 @@ inline Status CurrentDeviceLimits(DeviceLimits* out) {
   }
   *out = l;
   return Status::kOk;
+}
+
+// ---- programmatic dependent launch (sm_90+) ------------------------------------------------------
+// A kernel launched with LaunchKernel(..., dependent = true) may start while the previous kernel
+// in the stream is still running: it must call GridDependencyWait() before it reads anything
+// that kernel writes or writes anything that kernel reads (work on its own shared memory and
+// prefetches of read-only inputs may come first). GridDependentsMayLaunch() lets the next
+// dependent kernel start early. Both are no-ops below sm_90 and when the kernel was launched
+// plainly; the wait also makes the previous kernel's writes visible.
+__device__ __forceinline__ void GridDependencyWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void GridDependentsMayLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launches on this device may be programmatic dependent launches: sm_90+, unless
+// DSPARK_CUDA_PDL=0 (read at every launcher call, so a process can compare both).
+inline bool DependentLaunches(const DeviceLimits& lim) {
+  const char* v = std::getenv("DSPARK_CUDA_PDL");
+  return lim.cc_major >= 9 && !(v && v[0] == '0' && v[1] == '\0');
+}
+
+template <class... Params, class... Args>
+Status LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                    bool dependent, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...) == cudaSuccess ? Status::kOk
+                                                                                      : Status::kCudaError;
 }
 
 // Launches run on the device that owns `stream` (the caller's current device may differ when a

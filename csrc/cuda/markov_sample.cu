@@ -50,6 +50,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroup = 64;   // requests sharing one W2 sweep
 constexpr int kItem = 128;      // vocabulary entries per epilogue item: 32 lanes x 4
 constexpr int kMaxRank = 1024;  // e lives in a static shared array of the step kernel
+constexpr int kPrefetch = 32 * 1024;  // W2 bytes a sweep block prefetches before its wait
 
 // One block's summary of one request over the vocabulary it swept.
 struct Partial {
@@ -200,6 +201,18 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
     slot_m[i] = -kInfF;
     slot_s[i] = 0.0;
   }
+  if (a.has_bias && bx * a.tv < a.V) {
+    // While the previous step kernel finishes (dependent launch): the head of this block's first
+    // W2 tile into L2, at most kPrefetch bytes a block (W2 is an input no kernel here writes).
+    const W* w2 = static_cast<const W*>(a.w2) + static_cast<int64_t>(bx) * a.tv * a.rank;
+    const int64_t bytes = std::min<int64_t>(
+        kPrefetch, static_cast<int64_t>(min(a.tv, a.V - bx * a.tv)) * a.rank * sizeof(W));
+    for (int64_t off = threadIdx.x * 128ll; off < bytes; off += kThreads * 128ll) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w2) + off));
+    }
+  }
+  GridDependencyWait();  // e_eff and the partials' previous readers: the step kernel
+  GridDependentsMayLaunch();
   if (a.has_bias) {
     // e_eff of every request (zero rows pad the group to a multiple of 8 for the mma N tiles).
     const W* eg = static_cast<const W*>(a.e_eff) + static_cast<int64_t>(r0) * a.rank;
@@ -390,6 +403,8 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
   __shared__ float red_f[32];
   __shared__ int x_s;
   const int rq = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  GridDependencyWait();  // the sweep's partials and z; e_eff, which the sweep reads
+  GridDependentsMayLaunch();
   int x;
   if (a.k >= 0) {
     const float tf = a.temperature[rq];
@@ -552,10 +567,10 @@ Status SweepGrid(SweepKernel kernel, int smem, const DeviceLimits& lim, int* blo
   return Status::kOk;
 }
 
-Status LaunchSweep(SweepKernel kernel, const SweepArgs& a, int smem, int blocks, cudaStream_t stream) {
+Status LaunchSweep(SweepKernel kernel, const SweepArgs& a, int smem, int blocks, cudaStream_t stream,
+                   bool dependent) {
   if (Status st = AllowSmem(kernel, smem); st != Status::kOk) return st;
-  kernel<<<blocks, kThreads, smem, stream>>>(a);
-  return LaunchStatus();
+  return LaunchKernel(kernel, dim3(blocks), dim3(kThreads), smem, stream, dependent, a);
 }
 
 template <class T, class W>
@@ -690,17 +705,20 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   ta.confidence_markov = p.confidence_markov;
 
   // 2 gamma + 1 launches for the whole batch: the prologue, then per step the sweep (all
-  // groups) and the step kernel (one block per request).
+  // groups) and the step kernel (one block per request). On sm_90+ the per-step launches are
+  // dependent launches: each kernel's blocks start while its predecessor drains (the sweep
+  // prefetching W2 meanwhile), so a step pays no launch gap.
+  const bool pdl = DependentLaunches(lim);
   ta.k = -1;
-  MarkovStepKernel<T, W><<<R, kThreads, 0, stream>>>(ta);
+  MarkovStepKernel<T, W><<<R, kThreads, 0, stream>>>(ta);  // after someone else's kernel: plain
   if ((st = LaunchStatus()) != Status::kOk) return st;
   for (int k = 0; k < gamma; ++k) {
     sa.k = k;
-    st = LaunchSweep(sweep, sa, gl.bytes, groups * gblocks, stream);
-    if (st != Status::kOk) return st;
+    if ((st = LaunchSweep(sweep, sa, gl.bytes, groups * gblocks, stream, pdl)) != Status::kOk) return st;
     ta.k = k;
-    MarkovStepKernel<T, W><<<R, kThreads, 0, stream>>>(ta);
-    if ((st = LaunchStatus()) != Status::kOk) return st;
+    if ((st = LaunchKernel(MarkovStepKernel<T, W>, dim3(R), dim3(kThreads), 0, stream, pdl, ta)) != Status::kOk) {
+      return st;
+    }
   }
   return Status::kOk;
 }
