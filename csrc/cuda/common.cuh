@@ -203,11 +203,20 @@ __device__ __forceinline__ void GridDependentsMayLaunch() {
 #endif
 }
 
-// Whether launches on this device may be programmatic dependent launches: sm_90+, unless
-// DSPARK_CUDA_PDL=0 (read at every launcher call, so a process can compare both).
-inline bool DependentLaunches(const DeviceLimits& lim) {
+// Whether `kernel` may be launched as a programmatic dependent launch: an sm_90+ device running
+// code compiled for sm_90+ (a newer GPU that JIT-compiles the compute_80 PTX of a default build
+// gets a kernel whose wait was compiled out), unless DSPARK_CUDA_PDL=0 (read at every launcher
+// call, so a process can compare both).
+template <class... Params>
+bool DependentLaunches(const DeviceLimits& lim, void (*kernel)(Params...)) {
   const char* v = std::getenv("DSPARK_CUDA_PDL");
-  return lim.cc_major >= 9 && !(v && v[0] == '0' && v[1] == '\0');
+  if (lim.cc_major < 9 || (v && v[0] == '0' && v[1] == '\0')) return false;
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return fa.ptxVersion >= 90;
 }
 
 template <class... Params, class... Args>

@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
     const int64_t bytes = std::min<int64_t>(
         kPrefetch, static_cast<int64_t>(min(a.tv, a.V - bx * a.tv)) * a.rank * sizeof(W));
     for (int64_t off = threadIdx.x * 128ll; off < bytes; off += kThreads * 128ll) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w2) + off));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(reinterpret_cast<const char*>(w2) + off)));
     }
   }
   GridDependencyWait();  // e_eff and the partials' previous readers: the step kernel
@@ -404,7 +404,9 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
   __shared__ int x_s;
   const int rq = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   GridDependencyWait();  // the sweep's partials and z; e_eff, which the sweep reads
-  GridDependentsMayLaunch();
+  // the last step's successor is someone else's kernel: it starts only when this one is done
+  // (the partials it reads are freed right after)
+  if (a.k + 1 < a.gamma) GridDependentsMayLaunch();
   int x;
   if (a.k >= 0) {
     const float tf = a.temperature[rq];
@@ -708,7 +710,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   // groups) and the step kernel (one block per request). On sm_90+ the per-step launches are
   // dependent launches: each kernel's blocks start while its predecessor drains (the sweep
   // prefetching W2 meanwhile), so a step pays no launch gap.
-  const bool pdl = DependentLaunches(lim);
+  const bool pdl = DependentLaunches(lim, sweep) && DependentLaunches(lim, MarkovStepKernel<T, W>);
   ta.k = -1;
   MarkovStepKernel<T, W><<<R, kThreads, 0, stream>>>(ta);  // after someone else's kernel: plain
   if ((st = LaunchStatus()) != Status::kOk) return st;
