@@ -5,12 +5,15 @@
 // `op(params, backend: str, stream: int)`. Launchers return a Status; this file turns anything
 // but kOk into a Python exception naming the op (kBadArgument -> ValueError, else RuntimeError).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "append_kv.h"
+#include "attn_split.h"
 #include "common.h"
 #include "markov_sample.h"
 #include "prefix_topk.h"
@@ -265,6 +268,16 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("params"), py::arg("stream"));
 #endif
+    // The CUDA planner's split-KV choice, its host twin (attn_split.h), for the tests.
+    m.def(
+        "attn_split_chunk",
+        [](const std::vector<long long>& units, const std::vector<int>& tiles, int target) {
+          if (units.size() != tiles.size() || target < 1) {
+            throw std::invalid_argument("attn_split_chunk: units and tiles differ in length, or target < 1");
+          }
+          return ChooseSplitChunk(units.data(), tiles.data(), static_cast<int>(units.size()), target);
+        },
+        py::arg("units"), py::arg("tiles"), py::arg("target"));
   }
 
   m.def("build_info", &BuildInfo, "Build facts: version, cuda, cuda_archs, cuda_version, "

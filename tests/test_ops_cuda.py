@@ -377,6 +377,7 @@ ATTENTION_CASES = [(c, dt) for c in oc.ATTENTION_CASES for dt in DTYPES] + [
     (AC((4, 1), (32764, 32768), 8, 1, 128, 64), BF16),                       # 32k: split-KV
     (AC((300,), (0,), 8, 2, 64, 32), BF16),                                  # prefill, 19 tiles
     (AC((8,) * 40, (4088,) * 40, 32, 8, 128, 16, extra_pages=0), BF16),     # fills the GPU
+    (AC((8,) * 5, (4088,) * 5, 32, 8, 128, 16, extra_pages=0), BF16),       # 2 full waves of splits
     (AC((3, 7), (17, 63), 6, 2, 96, 16), BF16),                              # CUDA-core head_dim
     (AC((8, 3), (4000, 37), 8, 2, 128, 16, window=2048), BF16),              # window: split-KV
     (AC((16, 16), (8000, 5), 8, 2, 128, 64, causal=False, window=100), BF16),  # drafter block

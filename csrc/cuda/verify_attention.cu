@@ -5,7 +5,8 @@
 //   1. AttnPlanKernel (one block) reads cu_q / kv_lens on the device (the host never sees them:
 //      no sync) and decides the split-KV factor of every request: no split when the
 //      (request, KV head, 64-row tile) units already fill the GPU, otherwise each unit's KV range
-//      is cut into near-equal pieces so that the pieces fill it about once.
+//      is cut into near-equal pieces, as many as the fewest full waves of pieces take
+//      (attn_split.h: the chunk by wave efficiency, one candidate per thread).
 //   2. AttnKernel (persistent, 4 warps): work item = (request, KV head, 64-row query tile, KV
 //      split). The rows of a tile are the (query, group member) pairs of ONE KV head packed
 //      together (row = i * group + g), so every K/V page is read once per KV head, not once per
@@ -41,6 +42,7 @@
 
 #include <algorithm>
 
+#include "attn_split.h"
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
 
@@ -50,7 +52,6 @@ namespace {
 constexpr int kBlockM = 64;  // packed query rows per tile (16 per warp)
 constexpr int kBlockN = 64;  // keys per KV tile
 constexpr int kThreads = 128;
-constexpr int kMinSplitTiles = 2;  // a split covers at least 128 keys
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct AttnArgs {
@@ -171,41 +172,79 @@ __device__ __forceinline__ bool ThreadSeesBadPage(const AttnArgs& a, int r, int 
 // ---- 1: plan ----------------------------------------------------------------------------------
 __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ctas) {
   __shared__ int warp_sums[33];
-  __shared__ long long red[2][32];
+  __shared__ long long red_u[32], red_w[32], red_score[32];
+  __shared__ int red_t[32], red_c[32];
   __shared__ int chunk_s;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Units U = sum h_kv * mtiles and work W = sum h_kv * mtiles * kv_tiles (in KV tiles).
+  // Units U = sum h_kv * mtiles, work W = sum of their KV tiles, the most tiles of one unit.
   long long U = 0, W = 0;
+  int t_max = 0;
   for (int r = tid; r < a.R; r += 1024) {
     const ReqInfo ri = LoadReq(a, r);
-    const long long units = static_cast<long long>(a.h_kv) * ri.mtiles;
-    U += units;
-    W += units * PlanTiles(a, ri);
+    if (ri.mtiles > 0) {
+      const long long units = static_cast<long long>(a.h_kv) * ri.mtiles;
+      const int tiles = PlanTiles(a, ri);
+      U += units;
+      W += units * tiles;
+      t_max = max(t_max, tiles);
+    }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     U += __shfl_xor_sync(0xffffffffu, U, o);
     W += __shfl_xor_sync(0xffffffffu, W, o);
+    t_max = max(t_max, __shfl_xor_sync(0xffffffffu, t_max, o));
   }
   if (lane == 0) {
-    red[0][warp] = U;
-    red[1][warp] = W;
+    red_u[warp] = U;
+    red_w[warp] = W;
+    red_t[warp] = t_max;
   }
   __syncthreads();
-  if (tid == 0) {
-    long long u = 0, w = 0;
-    for (int i = 0; i < 32; ++i) {
-      u += red[0][i];
-      w += red[1][i];
-    }
-    long long chunk = 0x7fffffff;
-    if (!a.batch_invariant && u < target_ctas) {
-      chunk = std::max<long long>(kMinSplitTiles, (w + target_ctas - 1) / target_ctas);
-    }
-    chunk_s = static_cast<int>(std::min<long long>(chunk, 0x7fffffff));
+  U = W = 0;
+  t_max = 0;
+  for (int i = 0; i < 32; ++i) {
+    U += red_u[i];
+    W += red_w[i];
+    t_max = max(t_max, red_t[i]);
   }
-  __syncthreads();
-  const int chunk = chunk_s;
+  // The split by wave efficiency (attn_split.h): thread s prices candidate s over every request.
+  int chunk = kNoSplit;
+  if (!a.batch_invariant && U < target_ctas && t_max > 0) {
+    const int c = SplitCandidate(t_max, FillOnceChunk(W, target_ctas), tid);
+    SplitPlanCost pc;
+    for (int r = 0; r < a.R; ++r) {
+      const ReqInfo ri = LoadReq(a, r);
+      if (ri.mtiles > 0) AddUnits(pc, static_cast<long long>(a.h_kv) * ri.mtiles, PlanTiles(a, ri), c);
+    }
+    long long score = SplitScore(pc, U, target_ctas);
+    int best = c;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const long long so = __shfl_xor_sync(0xffffffffu, score, o);
+      const int co = __shfl_xor_sync(0xffffffffu, best, o);
+      if (SplitBetter(so, co, score, best)) {
+        score = so;
+        best = co;
+      }
+    }
+    if (lane == 0) {
+      red_score[warp] = score;
+      red_c[warp] = best;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      for (int i = 1; i < 32; ++i) {
+        if (SplitBetter(red_score[i], red_c[i], score, best)) {
+          score = red_score[i];
+          best = red_c[i];
+        }
+      }
+      chunk_s = best;
+    }
+    __syncthreads();
+    chunk = chunk_s;
+  }
   int carry_items = 0, carry_slots = 0, carry_merges = 0;
   for (int base = 0; base < a.R; base += 1024) {
     const int r = base + tid;
@@ -213,7 +252,7 @@ __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ct
     if (r < a.R) {
       const ReqInfo ri = LoadReq(a, r);
       const int tiles = PlanTiles(a, ri);
-      if (chunk != 0x7fffffff) S = max(1, (tiles + chunk - 1) / chunk);
+      if (chunk != kNoSplit) S = max(1, (tiles + chunk - 1) / chunk);
       items = a.h_kv * ri.mtiles * S;
       slots = S > 1 ? items : 0;
       merges = S > 1 ? a.h_kv * ri.mtiles : 0;
