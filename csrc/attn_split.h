@@ -5,11 +5,12 @@
 // A unit is one (request, KV head, 64-row query tile) over `tiles` KV tiles of 64 keys. With
 // chunk c, a unit of t tiles becomes S = ceil(t / c) items of near-equal size (ceil(t / S) tiles
 // at most), and the persistent kernel runs the items in waves of `target` co-resident blocks.
-// The cost of a plan is waves x its longest item, in tiles, plus 1/50 for the partials' write
-// and merge when anything splits. Filling the GPU "about once" (chunk = ceil(W / target)) can
-// leave a second wave of a few items, as slow as the first: 5 requests of 8 KV heads over 4k
-// context make 280 items of 32 tiles for 264 blocks, 2 waves of 32 tiles, where 520 items of 13
-// tiles cost 2 x 13 (the model's 20 -> 10: the second wave is full instead of nearly empty).
+// The cost of a plan is waves x (its longest item + one tile for an item's own Q load and
+// partials), in tiles, plus 1/50 when anything splits (the merge). Filling the GPU "about once"
+// (chunk = ceil(W / target)) can leave a second wave of a few items as slow as the first: 5
+// requests of 8 KV heads over 4k context get chunk 10, 280 items of 10 tiles for 264 blocks, 2
+// waves (cost 22); chunk 11 gives 240 items of 11 tiles, one wave (cost 12). The model ignores
+// that a sparse wave streams faster per block: it is a proxy for choosing, not a timing.
 // Candidates (SplitCandidate): no split, the fill-once chunk, and every chunk from 2 tiles to the
 // longest unit's up to 64k keys, the items kept within the plan's 2 x target partial slots.
 #pragma once
@@ -56,7 +57,7 @@ DSPARK_HD void AddUnits(SplitPlanCost& pc, long long units, int tiles, int chunk
 DSPARK_HD long long SplitScore(const SplitPlanCost& pc, long long units, int target) {
   const bool split = pc.items > units;
   if (split && pc.items > 2ll * target) return -1;
-  const long long work = (pc.items + target - 1) / target * pc.longest;
+  const long long work = (pc.items + target - 1) / target * (pc.longest + 1);
   return work * 50 + (split ? work : 0);
 }
 
@@ -67,11 +68,13 @@ DSPARK_HD bool SplitBetter(long long sa, int ca, long long sb, int cb) {
   return sa < sb || (sa == sb && ca > cb);
 }
 
-// Host twin of the planner's choice: units[i] units of tiles[i] KV tiles each, n entries.
+// Host twin of the planner's choice: units[i] units of tiles[i] KV tiles each, n entries (those
+// without units are skipped, as the planner skips requests without query rows).
 inline int ChooseSplitChunk(const long long* units, const int* tiles, int n, int target) {
   long long U = 0, W = 0;
   int t_max = 0;
   for (int i = 0; i < n; ++i) {
+    if (units[i] <= 0) continue;
     U += units[i];
     W += units[i] * tiles[i];
     if (tiles[i] > t_max) t_max = tiles[i];
@@ -83,7 +86,9 @@ inline int ChooseSplitChunk(const long long* units, const int* tiles, int n, int
   for (int s = 0; s < kSplitCandidates; ++s) {  // s = 0: no split (the planner: thread s)
     const int c = SplitCandidate(t_max, fill_once, s);
     SplitPlanCost pc;
-    for (int i = 0; i < n; ++i) AddUnits(pc, units[i], tiles[i], c);
+    for (int i = 0; i < n; ++i) {
+      if (units[i] > 0) AddUnits(pc, units[i], tiles[i], c);
+    }
     const long long score = SplitScore(pc, U, target);
     if (SplitBetter(score, c, best_score, best)) {
       best_score = score;

@@ -430,6 +430,28 @@ def test_verify_attention_plan_reuse(case, dtype):
     assert torch.equal(ops.verify_attention(*args, **opts, plan=plan, out=out), want)
 
 
+PLANNED = sorted({c for c, dt in ATTENTION_CASES if dt != F32 and c.head_dim in (64, 128) and not c.window},
+                 key=str)
+
+
+@pytest.mark.parametrize("case", PLANNED, ids=str)
+def test_verify_attention_plan_splits_as_its_host_twin(case, monkeypatch):
+    """The device planner's split of every request (the plan's split[]) is what the host twin
+    of its search (_C.attn_split_chunk, tested on the CPU against the cost model) chooses for the
+    same units and tiles: the block-wide search and reduction agree with the serial one."""
+    from dspark_rt import _C
+    monkeypatch.delenv("DSPARK_ATTN_BATCH_INVARIANT", raising=False)
+    kw = oc.attention_inputs(case, DEV, BF16)
+    plan = ops.plan_verify_attention(kw["cu_q"], kw["kv_lens"], kw["block_tables"], kw["k_cache"],
+                                     h_q=case.h_q, causal=case.causal)
+    R, group, target = case.R, case.h_q // case.h_kv, plan.part_o.shape[0] // 2
+    units = [case.h_kv * -(-n * group // 64) for n in case.n_q]
+    tiles = [-(-L // 64) for L in kw["kv_lens"].tolist()]
+    chunk = _C.attn_split_chunk(units, tiles, target)
+    want = [1 if chunk == 0x7fffffff else max(1, -(-t // chunk)) for t in tiles]
+    assert plan.work[R + 1: 2 * R + 1].tolist() == want, (chunk, target, oc.where(case))
+
+
 @pytest.mark.parametrize("case,dtype", [(AC((3, 5), (4000, 37), 8, 2, 128, 16), BF16),  # split-KV
                                         (AC((3, 5), (60, 37), 8, 2, 64, 16), F16),     # unsplit
                                         (AC((3, 5), (60, 37), 6, 2, 96, 16), BF16),    # CUDA cores

@@ -53,6 +53,7 @@ constexpr int kBlockM = 64;  // packed query rows per tile (16 per warp)
 constexpr int kBlockN = 64;  // keys per KV tile
 constexpr int kThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kPlanCache = 2048;  // requests the planner's search reads from shared memory
 
 struct AttnArgs {
   const void* q;
@@ -175,19 +176,33 @@ __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ct
   __shared__ long long red_u[32], red_w[32], red_score[32];
   __shared__ int red_t[32], red_c[32];
   __shared__ int chunk_s;
+  __shared__ int units_s[kPlanCache], tiles_s[kPlanCache];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Units U = sum h_kv * mtiles, work W = sum of their KV tiles, the most tiles of one unit.
+  // Units U = sum h_kv * mtiles, work W = sum of their KV tiles, the most tiles of one unit; the
+  // (units, tiles) of the requests with query rows gathered into shared memory, where the search
+  // below reads them (fewer than target of them whenever it runs).
   long long U = 0, W = 0;
-  int t_max = 0;
-  for (int r = tid; r < a.R; r += 1024) {
-    const ReqInfo ri = LoadReq(a, r);
-    if (ri.mtiles > 0) {
-      const long long units = static_cast<long long>(a.h_kv) * ri.mtiles;
-      const int tiles = PlanTiles(a, ri);
-      U += units;
-      W += units * tiles;
-      t_max = max(t_max, tiles);
+  int t_max = 0, n_active = 0;
+  for (int base = 0; base < a.R; base += 1024) {
+    const int r = base + tid;
+    int units = 0, tiles = 0;
+    if (r < a.R) {
+      const ReqInfo ri = LoadReq(a, r);
+      if (ri.mtiles > 0) {
+        units = a.h_kv * ri.mtiles;
+        tiles = PlanTiles(a, ri);
+        U += units;
+        W += static_cast<long long>(units) * tiles;
+        t_max = max(t_max, tiles);
+      }
     }
+    int at;
+    const int count = BlockExclusiveScan(units > 0 ? 1 : 0, &at, warp_sums);
+    if (units > 0 && n_active + at < kPlanCache) {
+      units_s[n_active + at] = units;
+      tiles_s[n_active + at] = tiles;
+    }
+    n_active += count;
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -213,9 +228,13 @@ __global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ct
   if (!a.batch_invariant && U < target_ctas && t_max > 0) {
     const int c = SplitCandidate(t_max, FillOnceChunk(W, target_ctas), tid);
     SplitPlanCost pc;
-    for (int r = 0; r < a.R; ++r) {
-      const ReqInfo ri = LoadReq(a, r);
-      if (ri.mtiles > 0) AddUnits(pc, static_cast<long long>(a.h_kv) * ri.mtiles, PlanTiles(a, ri), c);
+    if (n_active <= kPlanCache) {
+      for (int i = 0; i < n_active; ++i) AddUnits(pc, units_s[i], tiles_s[i], c);
+    } else {
+      for (int r = 0; r < a.R; ++r) {
+        const ReqInfo ri = LoadReq(a, r);
+        if (ri.mtiles > 0) AddUnits(pc, static_cast<long long>(a.h_kv) * ri.mtiles, PlanTiles(a, ri), c);
+      }
     }
     long long score = SplitScore(pc, U, target_ctas);
     int best = c;
@@ -663,7 +682,8 @@ Status TensorCoreGridFor(const VerifyAttentionParams& p, const DeviceLimits& lim
   return Status::kOk;
 }
 
-// Split slots never exceed units + target < 2 * target (see AttnPlanKernel).
+// Split slots never exceed 2 * target: the planner's candidates past that are refused
+// (attn_split.h SplitScore); slots <= split items.
 int64_t SlotsFor(int target) { return 2 * static_cast<int64_t>(target); }
 
 void SetPlan(AttnArgs& a, int32_t* work, float* part_o, float* part_lse) {
