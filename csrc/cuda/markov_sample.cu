@@ -50,7 +50,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxGroup = 64;   // requests sharing one W2 sweep
 constexpr int kItem = 128;      // vocabulary entries per epilogue item: 32 lanes x 4
 constexpr int kMaxRank = 1024;  // e lives in a static shared array of the step kernel
-constexpr int kPrefetch = 32 * 1024;  // W2 bytes a sweep block prefetches before its wait
+constexpr int kPrefetch = 32 * 1024;      // W2 bytes a sweep block prefetches before its wait
+constexpr int kPrefetchNext = 64 * 1024;  // ... and of its next tile while it computes one
 
 // One block's summary of one request over the vocabulary it swept.
 struct Partial {
@@ -173,6 +174,18 @@ __device__ __forceinline__ void BiasTileFfma(const SweepArgs& a, int G, const fl
   }
 }
 
+// Up to `cap` bytes of W2 tile `tile` into L2 (a hint: W2 is an input no kernel here writes).
+template <class W>
+__device__ __forceinline__ void PrefetchTile(const SweepArgs& a, int tile, int64_t cap) {
+  const int64_t v0 = static_cast<int64_t>(tile) * a.tv;
+  if (v0 >= a.V) return;
+  const char* w2 = reinterpret_cast<const char*>(static_cast<const W*>(a.w2) + v0 * a.rank);
+  const int64_t bytes = std::min<int64_t>(cap, std::min<int64_t>(a.tv, a.V - v0) * a.rank * sizeof(W));
+  for (int64_t off = threadIdx.x * 128ll; off < bytes; off += kThreads * 128ll) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(w2 + off)));
+  }
+}
+
 // ---- the sweep --------------------------------------------------------------------------------
 template <class T, class W, bool kMma, class U>
 __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
@@ -201,16 +214,9 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
     slot_m[i] = -kInfF;
     slot_s[i] = 0.0;
   }
-  if (a.has_bias && bx * a.tv < a.V) {
-    // While the previous step kernel finishes (dependent launch): the head of this block's first
-    // W2 tile into L2, at most kPrefetch bytes a block (W2 is an input no kernel here writes).
-    const W* w2 = static_cast<const W*>(a.w2) + static_cast<int64_t>(bx) * a.tv * a.rank;
-    const int64_t bytes = std::min<int64_t>(
-        kPrefetch, static_cast<int64_t>(min(a.tv, a.V - bx * a.tv)) * a.rank * sizeof(W));
-    for (int64_t off = threadIdx.x * 128ll; off < bytes; off += kThreads * 128ll) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(reinterpret_cast<const char*>(w2) + off)));
-    }
-  }
+  // While the previous step kernel finishes (dependent launch): the head of this block's first
+  // W2 tile into L2.
+  if (a.has_bias) PrefetchTile<W>(a, bx, kPrefetch);
   GridDependencyWait();  // e_eff and the partials' previous readers: the step kernel
   GridDependentsMayLaunch();
   if (a.has_bias) {
@@ -240,6 +246,8 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
       }
     }
     __syncthreads();
+    // The next tile's W2 streams into L2 while this one's epilogue computes.
+    if (a.has_bias && tile + a.gblocks < ntiles) PrefetchTile<W>(a, tile + a.gblocks, kPrefetchNext);
 
     // Epilogue: item = (request, 128 vocabulary entries), lane = 4 consecutive entries (one
     // Philox call covers exactly those four indices).
