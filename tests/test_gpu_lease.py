@@ -38,3 +38,15 @@ def test_cpu_mode_writes_the_archive(tmp_path):
     assert ops == {"markov_sample", "rejection_sample", "prefix_topk", "verify_attention"}
     assert summary["seed"] == os.environ.get("DSPARK_TEST_SEED", "1701")
     assert (tmp_path / "summary.json").exists()
+
+
+def test_paper_model_runs_and_no_change_models_slower(tmp_path):
+    """bench/paper_model.py (the estimates the first lease is read against) runs, and under its
+    own assumptions no row of this session's schedule is slower than before."""
+    out = tmp_path / "model.json"
+    subprocess.run([sys.executable, str(SCRIPT.parent / "paper_model.py"), "--json", str(out)], check=True,
+                   capture_output=True)
+    rows = json.loads(out.read_text())
+    assert {r["op"] for r in rows} == {"markov_sample", "verify_attention"}
+    for r in rows:
+        assert r["floor_us"] <= r["after_us"] <= r["before_us"] + 1e-9, r
