@@ -286,7 +286,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     coupled = _coupled(op, coupled, R, dev)
     if be == "reference":
         if z is not logits:
-            z.copy_(logits)  # exact: the widening is the only rounding-free cast
+            z.copy_(logits)  # exact: a 16-bit U widens without rounding
         return reference.markov_sample(z, hidden, anchor, head, w1, w2, gate_w, gate_b,
                                        joint_w, joint_b, conf_w, conf_b, temperature, seed,
                                        stream, round_, coupled, top_k)
