@@ -11,9 +11,11 @@
 //     lse_k, logprob_k, then prepares step k + 1: e = W1[x_k], the gated head's gate, the
 //     confidence logit.
 // The gamma steps are 2 gamma stream-ordered launches (plus one prologue) whatever the batch
-// size. A persistent cooperative kernel with a grid barrier would save ~1 us of launch gap per
-// step, but needs every block co-resident and a barrier about as costly; two plain launches per
-// step keep each kernel's resources independent and are safe under CUDA-graph capture. Per step the floor is
+// size. A persistent cooperative kernel with a grid barrier would remove the launch gaps, but
+// needs every block co-resident and a barrier about as costly; two launches per step keep each
+// kernel's resources independent, and on sm_90+ they are programmatic dependent launches (each
+// kernel's blocks start while its predecessor drains), which removes most of the gap and stays
+// capturable in a CUDA graph. Per step the floor is
 // W2's bytes (77.8 MB in bf16 for V = 151936, r = 256: ~18 us at 4.3 TB/s) plus the logits.
 //
 // Types: T is the logits' (z and every rounding of the head's arithmetic, as the reference
@@ -312,9 +314,10 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
           if (j < nvalid) am.Offer(static_cast<double>(xs[j]), v + j);
         }
       } else {
+        const int rg = r0 + rq;  // the request's index in the batch
         const NoiseSite site = SiteOf(
-            PhiloxKey{a.seed[r0 + rq], static_cast<uint32_t>(a.stream[r0 + rq]), static_cast<uint32_t>(a.round[r0 + rq])},
-            a.coupled && a.coupled[r0 + rq], kPurposeDraft, a.k + 1);
+            PhiloxKey{a.seed[rg], static_cast<uint32_t>(a.stream[rg]), static_cast<uint32_t>(a.round[rg])},
+            a.coupled && a.coupled[rg], kPurposeDraft, a.k + 1);
         // Seed the pre-filter with the exact score of the item's largest logit: any entry whose
         // logit is more than ~17.5 T below it cannot win and skips Philox altogether.
         float best_f = -kInfF;
@@ -726,9 +729,8 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
     sa.k = k;
     if ((st = LaunchSweep(sweep, sa, gl.bytes, groups * gblocks, stream, pdl)) != Status::kOk) return st;
     ta.k = k;
-    if ((st = LaunchKernel(MarkovStepKernel<T, W>, dim3(R), dim3(kThreads), 0, stream, pdl, ta)) != Status::kOk) {
-      return st;
-    }
+    st = LaunchKernel(MarkovStepKernel<T, W>, dim3(R), dim3(kThreads), 0, stream, pdl, ta);
+    if (st != Status::kOk) return st;
   }
   return Status::kOk;
 }

@@ -489,7 +489,8 @@ Status SelectLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   // U in the 16-bit weight dtype under float logits (out of place), else in T
   const bool narrow_u = p.u && p.u_dtype != p.dtype;
   st = Status::kUnsupported;
-  ta.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T)) && Aligned(ta.u, 4 * (narrow_u ? sizeof(W) : sizeof(T)));
+  ta.vec = V % 4 == 0 && Aligned(p.logits, 4 * sizeof(T)) &&
+           Aligned(ta.u, 4 * (narrow_u ? sizeof(W) : sizeof(T)));
   if constexpr (!std::is_same_v<T, W>) {
     if (narrow_u) st = K <= 64 ? LaunchTopk<T, W, 2>(ta, N, stream) : LaunchTopk<T, W, 8>(ta, N, stream);
   }
