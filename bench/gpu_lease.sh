@@ -27,8 +27,8 @@
 #
 #   step          expected  cap   why
 #   preflight        10      30   python + torch import, NVML, nvcc --version
-#   build            45     100   cmake configure + 5 .cu (markov_sample.cu alone: 18 s of one
-#                                 loaded core for sm_90a here) in parallel on 16 cores, one arch
+#   build            45     100   cmake configure + 6 .cu (markov_sample.cu alone: 15-18 s of
+#                                 one loaded core for sm_90a here) in parallel on 16 cores, one arch
 #   tests_ops        65     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
 #                                 ~390 cases, a few at 32k context / 32k vocabulary
 #   tests_graphs     30      50   pytest -m gpu test_graphs.py test_greedy_equality.py
