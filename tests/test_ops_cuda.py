@@ -441,7 +441,8 @@ def test_verify_attention_plan_splits_as_its_host_twin(case, monkeypatch):
     same units and tiles: the block-wide search and reduction agree with the serial one."""
     from dspark_rt import _C
     monkeypatch.delenv("DSPARK_ATTN_BATCH_INVARIANT", raising=False)
-    kw = oc.attention_inputs(case, DEV, BF16)
+    big = sum(case.ctx) * case.h_kv * case.head_dim > 2 ** 24
+    kw = oc.attention_inputs(case, DEV, BF16, gen_device=DEV if big else "cpu")
     plan = ops.plan_verify_attention(kw["cu_q"], kw["kv_lens"], kw["block_tables"], kw["k_cache"],
                                      h_q=case.h_q, causal=case.causal)
     R, group, target = case.R, case.h_q // case.h_kv, plan.part_o.shape[0] // 2
