@@ -106,7 +106,8 @@ class BlockManager:
 
     def can_allocate(self, n_tokens: int, seq_id=None) -> bool:
         """Whether allocate(seq_id, n_tokens) would succeed (seq_id None: a new sequence)."""
-        return self._new_pages(seq_id, n_tokens) <= self.num_free
+        need = -(-n_tokens // self.page_size) - len(self._tables.get(seq_id, ()))
+        return need <= 0 or need <= len(self._free) + len(self._evictable)  # every round: inline
 
     def can_admit(self, n_tokens: int, watermark_frac: float = 0.0, cached_pages=()) -> bool:
         """Whether a new sequence that starts with `cached_pages` (from lookup_prefix) and grows
@@ -122,6 +123,8 @@ class BlockManager:
         if n_tokens < 0:
             raise ValueError(f"BlockManager[{self.name}].allocate: n_tokens must be >= 0, got {n_tokens}")
         need = self._new_pages(seq_id, n_tokens)
+        if need == 0 and seq_id in self._tables:
+            return []  # most rounds: the table covers the round already
         if need > self.num_free:
             have = len(self._tables.get(seq_id, ()))
             raise BlockManagerError(
@@ -208,11 +211,19 @@ class BlockManager:
         self._recently_freed.pop(seq_id, None)
         return list(pages), len(pages) * self.page_size
 
+    def fills_pages(self, seq_id, n_tokens: int) -> bool:
+        """Whether a committed prefix of n_tokens fills a page commit_full_pages has not seen
+        (True for an unknown sequence: commit_full_pages then says what is wrong)."""
+        chain = self._chain.get(seq_id)
+        return chain is None or n_tokens // self.page_size > len(chain)
+
     def commit_full_pages(self, seq_id, token_ids) -> int:
         """Registers the sequence's pages that are full of committed tokens: token_ids must be
         exactly the committed prefix (positions whose K/V are final; never dead speculative
         positions). Only pages not registered yet are hashed. Returns how many were cached; a
         page whose content is already cached elsewhere stays private (the first copy wins)."""
+        if not self.fills_pages(seq_id, len(token_ids)):
+            return 0  # most rounds: no page filled since the last call
         table = self._table(seq_id, "commit_full_pages")
         if not self.enable_prefix_caching:
             return 0

@@ -234,9 +234,11 @@ class RequestScheduler:
     def _commit(self, req):
         """Offers the committed full pages to the prefix caches (never speculative positions:
         a stop inside the accepted drafts can leave kv_len past the emitted tokens)."""
-        self.target.commit_full_pages(req.request_id, all_tokens(req, req.kv_len))
-        if self.drafter is not None:
-            self.drafter.commit_full_pages(req.request_id, all_tokens(req, req.ctx_len))
+        rid = req.request_id
+        if self.target.fills_pages(rid, req.kv_len):
+            self.target.commit_full_pages(rid, all_tokens(req, req.kv_len))
+        if self.drafter is not None and self.drafter.fills_pages(rid, req.ctx_len):
+            self.drafter.commit_full_pages(rid, all_tokens(req, req.ctx_len))
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -251,11 +253,12 @@ class RequestScheduler:
             self.drafter is None or self.drafter.can_allocate(n_drafter, rid))
 
     def _grow(self, req, n_target: int, n_drafter: int):
+        """Covers the positions; the request's page lists are new copies whenever its tables
+        grew (a table changes only by growing here, or by a release that empties the list)."""
         rid = req.request_id
-        self.target.allocate(rid, n_target)
-        req.target_pages = self.target.block_table(rid)
-        if self.drafter is not None:
-            self.drafter.allocate(rid, n_drafter)
+        if self.target.allocate(rid, n_target) or not req.target_pages:
+            req.target_pages = self.target.block_table(rid)
+        if self.drafter is not None and (self.drafter.allocate(rid, n_drafter) or not req.drafter_pages):
             req.drafter_pages = self.drafter.block_table(rid)
 
     def _preempt(self, req, out: SchedulerOutput):
@@ -294,9 +297,11 @@ class RequestScheduler:
             if n <= 0 or cost > budget:
                 i += 1
                 continue
-            while not self._fits(req, n_target, n_drafter) and self.running[-1] is not req:
+            fits = self._fits(req, n_target, n_drafter)
+            while not fits and self.running[-1] is not req:
                 self._preempt(self.running[-1], out)
-            if not self._fits(req, n_target, n_drafter):
+                fits = self._fits(req, n_target, n_drafter)
+            if not fits:
                 self._preempt(req, out)
                 break
             self._grow(req, n_target, n_drafter)
