@@ -252,21 +252,31 @@ class Round:
         R = len(batch)
         if runner.drafter is None:
             return [True] * R
-        keep = [not f and not lost[i] and batch.ids is not None and not drafted[i]
-                and (defers or batch.ids[i] in self.deferred) for i, f in enumerate(res.failed)]
-        ok = [i for i, f in enumerate(res.failed) if not f and not keep[i] and not lost[i]]
+        ids, deferred = batch.ids, self.deferred
+        ok, keep = [], []  # one pass: every round runs it for every request
+        for i, f in enumerate(res.failed):
+            if f or lost[i]:
+                continue
+            if ids is not None and not drafted[i] and (defers or ids[i] in deferred):
+                keep.append(i)
+            else:
+                ok.append(i)
         if ok:
             runner.context_update([batch.drafter_pages[i] for i in ok], [batch.kv_lens[i] for i in ok],
                                   [res.num_accepted[i] + 1 for i in ok], feats,
                                   [res.cu_rows[i] for i in ok])
-        for i in (i for i in range(R) if keep[i]):
-            self.deferred.setdefault(batch.ids[i], []).extend(
-                (feats, res.cu_rows[i] + k) for k in range(res.num_accepted[i] + 1))
-        full = [i for i in range(R) if keep[i] and len(self.deferred[batch.ids[i]]) >= self.max_deferred]
+        full = []
+        for i in keep:
+            held, row, a = deferred.setdefault(ids[i], []), res.cu_rows[i], res.num_accepted[i]
+            held.extend([(feats, row + k) for k in range(a + 1)])
+            if len(held) >= self.max_deferred:
+                full.append(i)
         if full:
             self.write_deferred(runner, batch, full)
-        written = set(ok) | set(full)
-        return [i in written for i in range(R)]
+        written = [False] * R
+        for i in ok + full:
+            written[i] = True
+        return written
 
 
 def _gather(held: list) -> torch.Tensor:
