@@ -177,9 +177,12 @@ def test_exploring_backs_off_while_plain_rounds_win():
     assert pol.speculates(caps, 7)
     pol._decide = decide
     assert gaps(4 + 8) == [4, 8]
-    # a close call (speculation expected at 0.9 of plain tokens/s): no backing off
-    pol._decide = lambda c, g: (setattr(pol, "_margin", 0.9), (False, False))[1]
+    # a close call (speculation expected at 0.95 of plain tokens/s): no backing off; at 0.8
+    # (a clear loss) it backs off
+    pol._decide = lambda c, g: (setattr(pol, "_margin", 0.95), (False, False))[1]
     assert gaps(3 * 4) == [4, 4, 4]
+    pol._decide = lambda c, g: (setattr(pol, "_margin", 0.8), (False, False))[1]
+    assert gaps(8 + 16) == [8, 16]
 
 
 def test_estimates_age_by_rounds_and_by_the_share_seen():
@@ -363,3 +366,33 @@ def test_a_new_request_is_explored_when_its_drafts_could_pay():
     pol3.lengths(None, torch.full((2, 7), 0.01), torch.tensor([0, 7]), 7)
     pol3.begin_round(["a", "b"])
     assert not pol3.speculates([7, 7], 7)  # both tried, both poor: plain
+
+
+@pytest.mark.parametrize("drafting_speed,budget_binds", [(50.0, True), (95.0, False)])
+def test_exploring_spends_at_most_its_budget(drafting_speed, budget_binds):
+    """Plain rounds win clearly and exploring is forced every 2 rounds (backing off to 16).
+    Where drafting one request costs a whole plain round (a CPU), exploring spends at most
+    explore_budget of the plain rounds' time (plus the two rounds the credit starts with); where
+    it costs a twentieth of one (a GPU), the interval alone decides, as without a budget."""
+    from dspark_rt.policies.auto import MAX_BACKOFF
+    plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])
+    sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])
+    drafting = SPSProfile([1, 8, 32], [drafting_speed, 15.0, 5.0])
+    cost = 1 / drafting_speed - 1 / 100.0  # seconds the drafting of one request adds
+    counts = {}
+    for budget in (0.02, 1.0):
+        pol = AutoPolicy(sps, plain, drafting, explore_every=2, explore_budget=budget)
+        pol.estimate = np.full(7, 0.05)
+        pol.begin_round(["a"])
+        pol._tried.add("a")
+        counts[budget] = sum(pol.speculates([7], 7) for _ in range(2000))
+        assert pol.rounds["speculative"] == counts[budget]
+    unbounded = counts[1.0]
+    assert unbounded >= 2000 // (MAX_BACKOFF * 2)  # the interval alone: about one in 16
+    if budget_binds:
+        assert counts[0.02] * cost <= 0.02 * 2000 * 0.01 + 2 * cost
+        assert counts[0.02] < unbounded / 2
+    else:
+        assert counts[0.02] == unbounded
+    with pytest.raises(ValueError, match="explore_budget"):
+        AutoPolicy(sps, plain, drafting, explore_budget=0.0)

@@ -34,12 +34,27 @@ by updates, times the share of the batch an update sees: what a single request's
 sees after a long plain stretch outweighs the stale estimate (text that falls into a repetition
 is drafted far better than its first lines), what an eighth of a batch sees does not.
 
+Exploring within a budget. Exploring is the price of knowing when speculation pays, and on a
+machine where drafting costs about a plain round (a CPU, or a small batch on a large drafter)
+one round in explore_every can cost more than its information is worth. So exploring spends a
+credit: every round adds explore_budget x the seconds of a plain round of its batch, and an
+exploring round (forced by the interval, or exploring new requests) needs, and spends, the
+seconds its drafting adds (the no-drafts profile of its drafting requests, less a plain round
+of as many). The credit is capped at two exploring rounds of the batch and starts full, so over
+any stretch exploring costs at most explore_budget of the plain rounds' time plus two exploring
+rounds. The price leaves out the deferred drafter context an exploring request writes first
+and the speculative round's own scheduling: on the shipped pair on a 2-core CPU at batch 32 they
+add about as much again (an exploring round 24 ms against a plain 13 ms, its drafting 5 ms of
+it). The first round, with nothing known, explores whatever the credit. Without the
+no-drafts profile exploring is not priced and only the interval applies. Like every decision
+here, the credit depends on batch sizes, profiles and earlier decisions alone.
+
 New requests. The shared estimate is what other requests taught it, and a plain stretch backs
 exploring off: a request that joins then (at batch 1, every new prompt) could decode plainly for
 a hundred rounds although its text is drafted almost whole. So a request that never drafted is
 explored in the first round it could pay in: when a speculative round in which it (with the
 other new ones of an exploring share) drafted and every draft survived would beat a plain round
-by a clear margin (1 / CLEAR_LOSS). The bound depends on the batch size and the profiles alone
+by a clear margin (CLEAR_GAIN). The bound depends on the batch size and the profiles alone
 (lossless, as every decision here); on a machine where drafting a few requests of a large batch
 cannot pay even then, new requests there are not explored.
 """
@@ -50,7 +65,8 @@ from .prefix import SyncScheduler, _as_profile, candidates, ranked
 
 
 MAX_BACKOFF = 8   # exploring intervals grow up to this many times explore_every ...
-CLEAR_LOSS = 0.75  # ... while speculation is expected below this share of plain tokens/s
+CLEAR_LOSS = 0.9   # ... while speculation is expected below this share of plain tokens/s
+CLEAR_GAIN = 4 / 3  # a new request is explored when its best case beats plain rounds by this
 
 
 class AutoPolicy(SyncScheduler):
@@ -58,12 +74,14 @@ class AutoPolicy(SyncScheduler):
     plain rounds against R (an SPSProfile of mode "ar" rounds, or its path); drafting: rounds/s
     of speculative rounds of R requests verifying no draft (shape "no_drafts"), or None. decay:
     weight of the old estimate per observed round; explore_every: speculate at least once in this
-    many rounds (0: never force)."""
+    many rounds (0: never force); explore_budget: exploring costs at most this share of the
+    plain rounds' time (module docstring)."""
     name = "auto"
     defers_context = True  # plain rounds cost what plain decoding costs: no drafter context
 
     def __init__(self, sps, plain, drafting=None, *, decay: float = 0.8, explore_every: int = 16,
-                 explore_share: float = 0.125, max_tokens: int | None = None):
+                 explore_share: float = 0.125, explore_budget: float = 0.02,
+                 max_tokens: int | None = None):
         # every profile is read through its monotone fit: measured costs are noisy, true ones
         # never fall with the round's size
         super().__init__(_as_profile(sps).monotone(), max_tokens)
@@ -81,7 +99,11 @@ class AutoPolicy(SyncScheduler):
             raise ValueError(f"explore_every must be >= 0, got {explore_every!r}")
         if not 0.0 < explore_share <= 1.0:
             raise ValueError(f"explore_share must lie in (0, 1], got {explore_share!r}")
+        if not 0.0 < explore_budget <= 1.0:
+            raise ValueError(f"explore_budget must lie in (0, 1], got {explore_budget!r}")
         self.decay, self.explore_every, self.explore_share = decay, explore_every, explore_share
+        self.explore_budget = explore_budget
+        self._credit: float | None = None          # seconds of drafting exploring may spend
         self._explore = False                      # this round speculates only to explore
         self._interval = explore_every             # plain rounds between exploring ones
         self._margin = 0.0                         # best speculative / plain tokens/s, last decided
@@ -121,17 +143,24 @@ class AutoPolicy(SyncScheduler):
         if self._ids is not None and len(self._ids) != R:
             self._ids = None  # not this batch's
         spec, everything = self._decide(caps, gamma)
+        share = self._share(R)  # requests an exploring round drafts for
+        cap = 2 * self._drafting_cost(share)
+        self._credit = cap if self._credit is None else \
+            min(self._credit + self.explore_budget * float(self._verify_s(R)), cap)
         self._explore = spec is None  # nothing known yet: a few requests draft to learn
         if spec is None:
             spec, everything = True, False  # read the confidences: they are what it learns
         elif spec or self._margin >= CLEAR_LOSS:
             self._interval = self.explore_every  # speculating, or a close call: no backing off
-        if not spec and self.explore_every and self._plain_run + 1 >= self._interval:
+        if not spec and self.explore_every and self._plain_run + 1 >= self._interval and \
+                self._credit >= self._drafting_cost(share):
             spec = self._explore = True
             self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every)
         self._explore_rows = self._new_requests(caps, gamma) if not spec or self._explore else None
         if self._explore_rows:
             spec = self._explore = True
+        if self._explore:
+            self._credit -= self._drafting_cost(len(self._explore_rows) if self._explore_rows else share)
         self._age += 1
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
@@ -156,10 +185,21 @@ class AutoPolicy(SyncScheduler):
             return [c if i in keep else 0 for i, c in enumerate(caps)]
         if R < 2:
             return caps
-        k = max(1, int(R * self.explore_share))
+        k = self._share(R)
         keep = {(self._explore_from + i) % R for i in range(k)}
         self._explore_from = (self._explore_from + k) % R
         return [c if i in keep else 0 for i, c in enumerate(caps)]
+
+    def _share(self, R: int) -> int:
+        """Requests an exploring round of a batch of R drafts for."""
+        return max(1, int(R * self.explore_share))
+
+    def _drafting_cost(self, k: int) -> float:
+        """Seconds the drafting of k requests adds to a round: the no-drafts round of k requests
+        less a plain round of as many; 0 (not priced) without the profile or beyond it."""
+        if self._draft_s is None or not 1 <= k <= self.drafting.max_tokens:
+            return 0.0
+        return max(float(self._draft_s[k] - self._verify_s(k)), 0.0)
 
     def _new_requests(self, caps, gamma) -> list | None:
         """Rows of requests that never drafted (up to an exploring share of the batch) to explore
@@ -172,7 +212,9 @@ class AutoPolicy(SyncScheduler):
                 if c > 0 and rid not in self._own and rid not in self._tried]
         if not rows:
             return None
-        rows = rows[: max(1, int(R * self.explore_share))]
+        rows = rows[: self._share(R)]
+        if self._credit < self._drafting_cost(len(rows)):
+            return None  # not now: exploring has spent its budget (they stay new)
         n = sum(min(caps[i], gamma) for i in rows)
         key = (R, len(rows), n)
         if key not in self._could_pay:
@@ -180,7 +222,7 @@ class AutoPolicy(SyncScheduler):
                 self._could_pay[key] = False  # outside the profiles: left to the estimates
             else:
                 best = float(self._round_theta(R, len(rows), np.ones(n)).max())
-                self._could_pay[key] = best * float(self._verify_s(R)) / R >= 1.0 / CLEAR_LOSS
+                self._could_pay[key] = best * float(self._verify_s(R)) / R >= CLEAR_GAIN
         if not self._could_pay[key]:
             return None
         self._tried.update(self._ids[i] for i in rows)
@@ -267,10 +309,9 @@ class AutoPolicy(SyncScheduler):
         tokens[0] = R
         np.cumsum(sorted_a[:n], dtype=np.float64, out=tokens[1:])
         tokens[1:] += R
-        own = self._draft_s[drafting] - float(self._verify_s(drafting))
         t_R = float(self._verify_s(R))
         slope = (float(self._verify_s(R + n)) - t_R) / n if n else 0.0
-        return tokens / (max(own, 0.0) + t_R + slope * np.arange(n + 1))
+        return tokens / (self._drafting_cost(drafting) + t_R + slope * np.arange(n + 1))
 
     def _verify_s(self, B):
         """Seconds of a plain round of B tokens, linear beyond the plain profile's last point."""
