@@ -94,7 +94,8 @@ class Models:
     def _profile(self, policy):
         """One SPS(B) for sync, async and auto (a round's cost does not depend on acceptance),
         covering the largest batch of the run, measured or the cached one for this machine;
-        auto also gets the profiles of plain rounds and of rounds that verify no draft."""
+        auto also gets the profiles of plain rounds, of rounds that verify no draft and of
+        drafter context updates."""
         if self._sps is None:
             from dspark_rt.runner import Runner
             from dspark_rt.runner.profiling import load_or_profile_jointly
@@ -109,7 +110,7 @@ class Models:
             spec = Runner(target, drafter, "dspark", 16, self.device)
             plain = Runner(target, None, "ar", 16, self.device)  # measured together, interleaved
             self._sps = tuple(load_or_profile_jointly([(spec, "spread"), (plain, "spread"),
-                                                       (spec, "no_drafts")], **kw))
+                                                       (spec, "no_drafts"), (spec, "context")], **kw))
         return self._sps if policy == "auto" else self._sps[0]
 
 

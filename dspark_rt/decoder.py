@@ -135,14 +135,16 @@ class Decoder:
 
     def _policy(self, policy, threshold, sps):
         """sync / async: sps= or this machine's profile of speculative rounds; auto also needs
-        the profiles of plain rounds and of rounds that draft but verify nothing
-        (sps=(speculative, plain, drafting), any of them None to measure it)."""
+        the profiles of plain rounds, of rounds that draft but verify nothing and of drafter
+        context updates (sps=(speculative, plain, drafting, context), any of them None to
+        measure it; with tensor_parallel_size > 1 context may stay None: exploring is then
+        priced without it)."""
         if policy not in ("sync", "async", "auto"):
             return make_policy(policy, **({"threshold": threshold} if policy == "threshold" else {}))
         if not self.runner.has_confidence:
             raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
-        spec, plain, drafting = (tuple(sps) + (None,) * 3)[:3] if isinstance(sps, (tuple, list)) \
-            else (sps, None, None)
+        spec, plain, drafting, context = (tuple(sps) + (None,) * 4)[:4] \
+            if isinstance(sps, (tuple, list)) else (sps, None, None, None)
         if self.tensor_parallel is not None and (spec is None or (policy == "auto" and None in (plain, drafting))):
             raise ValueError(f"policy {policy!r} with tensor_parallel_size > 1 needs sps= (the "
                              "profiler runs on one process; measure it there or pass the tables)")
@@ -151,15 +153,16 @@ class Decoder:
             if spec is None:
                 spec = load_or_profile_jointly([(self.runner, "spread")])[0]
             return make_policy(policy, sps=spec)
-        # the three measured together: auto decides on their ratios
+        # the four measured together: auto decides on their ratios
         plain_runner = Runner(self.target, None, "ar", self.runner.page_size, self.device)
-        given = [spec, plain, drafting]
-        items = [(self.runner, "spread"), (plain_runner, "spread"), (self.runner, "no_drafts")]
-        todo = [i for i, p in enumerate(given) if p is None]
+        given = [spec, plain, drafting, context]
+        items = [(self.runner, "spread"), (plain_runner, "spread"), (self.runner, "no_drafts"),
+                 (self.runner, "context")]
+        todo = [i for i, p in enumerate(given) if p is None and (i < 3 or self.tensor_parallel is None)]
         for i, prof in zip(todo, load_or_profile_jointly([items[i] for i in todo]) if todo else []):
             given[i] = prof
-        spec, plain, drafting = given
-        return make_policy(policy, sps=spec, plain=plain, drafting=drafting)
+        spec, plain, drafting, context = given
+        return make_policy(policy, sps=spec, plain=plain, drafting=drafting, context=context)
 
     @classmethod
     def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None,

@@ -245,13 +245,19 @@ def test_deferred_context_is_written_before_a_request_drafts(plain_tokens, max_d
                                   calibration="none")
     if max_deferred is not None:
         dec.engine.round.max_deferred = max_deferred
-    written = []
+    written, waiting = [], []
     commit = dec.engine.round.commit_context
     dec.engine.round.commit_context = lambda *a: written.append(commit(*a)) or written[-1]
+    begin = pol.begin_round
+    pol.begin_round = lambda ids, w=None: waiting.append(w) or begin(ids, w)
     outs = dec.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain_tokens[:4]
     deferred = sum(not w for ws in written for w in ws)
     assert deferred > 20 and pol.rounds["speculative"] >= 3, (deferred, pol.rounds)
+    # the policy is told, per request, how many positions wait for their context (it prices
+    # exploring with them): none before the first plain round, never max_deferred or more
+    most = max(max(w) for w in waiting)
+    assert waiting[0] == [0] * 4 and 1 <= most < (max_deferred or Round.max_deferred), most
     assert not dec.engine.round.deferred  # finished requests hold no features
     ref = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], dtype="float64")
     ref_outs = ref.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
@@ -368,12 +374,13 @@ def test_a_new_request_is_explored_when_its_drafts_could_pay():
     assert not pol3.speculates([7, 7], 7)  # both tried, both poor: plain
 
 
-@pytest.mark.parametrize("drafting_speed,budget_binds", [(50.0, True), (95.0, False)])
+@pytest.mark.parametrize("drafting_speed,budget_binds", [(50.0, True), (99.5, False)])
 def test_exploring_spends_at_most_its_budget(drafting_speed, budget_binds):
-    """Plain rounds win clearly and exploring is forced every 2 rounds (backing off to 16).
-    Where drafting one request costs a whole plain round (a CPU), exploring spends at most
-    explore_budget of the plain rounds' time (plus the two rounds the credit starts with); where
-    it costs a twentieth of one (a GPU), the interval alone decides, as without a budget."""
+    """Plain rounds win (no draft is expected to survive) and exploring is forced every 2
+    rounds (backing off to 16 while the loss is clear). Where drafting one request costs a
+    whole plain round (a CPU), exploring spends at most explore_budget of the plain rounds' time
+    (plus the two rounds the credit starts with); where it costs a two-hundredth of one, the
+    interval alone decides, as without a budget."""
     from dspark_rt.policies.auto import MAX_BACKOFF
     plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])
     sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])
@@ -382,7 +389,7 @@ def test_exploring_spends_at_most_its_budget(drafting_speed, budget_binds):
     counts = {}
     for budget in (0.02, 1.0):
         pol = AutoPolicy(sps, plain, drafting, explore_every=2, explore_budget=budget)
-        pol.estimate = np.full(7, 0.05)
+        pol.estimate = np.zeros(7)
         pol.begin_round(["a"])
         pol._tried.add("a")
         counts[budget] = sum(pol.speculates([7], 7) for _ in range(2000))
@@ -396,3 +403,28 @@ def test_exploring_spends_at_most_its_budget(drafting_speed, budget_binds):
         assert counts[0.02] == unbounded
     with pytest.raises(ValueError, match="explore_budget"):
         AutoPolicy(sps, plain, drafting, explore_budget=0.0)
+
+
+def test_exploring_prices_the_context_it_writes_first():
+    """A request that decoded plainly for a while writes the drafter context of those positions
+    before it drafts. With the context profile, exploring a request with 100 such positions
+    costs (here) about a plain round more, so within the same budget it explores less often than
+    a request with none waiting, and exploring spends at most its budget counting that cost."""
+    plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])
+    sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])
+    drafting = SPSProfile([1, 8, 32], [99.5, 15.0, 5.0])   # drafting one request: 0.05 ms
+    context = SPSProfile([1, 64, 128], [2000.0, 200.0, 100.0])  # 128 positions: 10 ms
+    counts, costs = {}, {}
+    for waiting in (0, 100):
+        pol = AutoPolicy(sps, plain, drafting, context, explore_every=2)
+        pol.estimate = np.zeros(7)
+        pol._tried.add("a")
+        n = 0
+        for _ in range(2000):
+            pol.begin_round(["a"], [waiting])
+            n += pol.speculates([7], 7)
+        counts[waiting], costs[waiting] = n, pol._explore_cost([0])
+    assert costs[100] > 10 * costs[0]
+    assert counts[0] == 1000  # every second round: the interval alone
+    assert counts[100] < counts[0] / 4
+    assert counts[100] * costs[100] <= 0.02 * 2000 * 0.01 + 2 * costs[100]

@@ -16,7 +16,7 @@ POLICIES = {"fixed": FixedPolicy, "threshold": ThresholdPolicy, "sync": SyncSche
 
 def make_policy(policy, **kwargs) -> VerifyPolicy:
     """policy: a name in POLICIES ("threshold" takes threshold=, "sync" and "async" take
-    sps=<SPSProfile or path>, "auto" sps=, plain= and drafting=, see AutoPolicy) or a
+    sps=<SPSProfile or path>, "auto" sps=, plain=, drafting= and context=, see AutoPolicy) or a
     VerifyPolicy instance."""
     if isinstance(policy, VerifyPolicy):
         return policy

@@ -39,15 +39,16 @@ machine where drafting costs about a plain round (a CPU, or a small batch on a l
 one round in explore_every can cost more than its information is worth. So exploring spends a
 credit: every round adds explore_budget x the seconds of a plain round of its batch, and an
 exploring round (forced by the interval, or exploring new requests) needs, and spends, the
-seconds its drafting adds (the no-drafts profile of its drafting requests, less a plain round
-of as many). The credit is capped at two exploring rounds of the batch and starts full, so over
-any stretch exploring costs at most explore_budget of the plain rounds' time plus two exploring
-rounds. The price leaves out the deferred drafter context an exploring request writes first
-and the speculative round's own scheduling: on the shipped pair on a 2-core CPU at batch 32 they
-add about as much again (an exploring round 24 ms against a plain 13 ms, its drafting 5 ms of
-it). The first round, with nothing known, explores whatever the credit. Without the
-no-drafts profile exploring is not priced and only the interval applies. Like every decision
-here, the credit depends on batch sizes, profiles and earlier decisions alone.
+seconds it adds: the drafting of its requests (the no-drafts profile of as many requests, less
+a plain round of as many) and the drafter context they write first (the positions deferred
+while they decoded plainly, begin_round's `waiting`, at the context profile's cost). The credit
+is capped at two exploring rounds of the batch and starts full, so over any stretch exploring
+costs at most explore_budget of the plain rounds' time plus two exploring rounds, as the
+profiles price it (the speculative round's scheduling on the host is not in them: ~1 ms a round
+on a 2-core CPU). The first round, with nothing known, explores whatever the credit. Without
+the no-drafts profile exploring is not priced and only the interval applies; without the
+context profile its context is not. Like every decision here, the credit depends on batch
+sizes, profiles and earlier decisions alone.
 
 New requests. The shared estimate is what other requests taught it, and a plain stretch backs
 exploring off: a request that joins then (at batch 1, every new prompt) could decode plainly for
@@ -72,16 +73,17 @@ CLEAR_GAIN = 4 / 3  # a new request is explored when its best case beats plain r
 class AutoPolicy(SyncScheduler):
     """sps: rounds/s of speculative rounds against verify tokens B (as sync); plain: rounds/s of
     plain rounds against R (an SPSProfile of mode "ar" rounds, or its path); drafting: rounds/s
-    of speculative rounds of R requests verifying no draft (shape "no_drafts"), or None. decay:
+    of speculative rounds of R requests verifying no draft (shape "no_drafts"), or None;
+    context: drafter context updates/s against positions written (shape "context"), or None. decay:
     weight of the old estimate per observed round; explore_every: speculate at least once in this
     many rounds (0: never force); explore_budget: exploring costs at most this share of the
     plain rounds' time (module docstring)."""
     name = "auto"
     defers_context = True  # plain rounds cost what plain decoding costs: no drafter context
 
-    def __init__(self, sps, plain, drafting=None, *, decay: float = 0.8, explore_every: int = 16,
-                 explore_share: float = 0.125, explore_budget: float = 0.02,
-                 max_tokens: int | None = None):
+    def __init__(self, sps, plain, drafting=None, context=None, *, decay: float = 0.8,
+                 explore_every: int = 16, explore_share: float = 0.125,
+                 explore_budget: float = 0.02, max_tokens: int | None = None):
         # every profile is read through its monotone fit: measured costs are noisy, true ones
         # never fall with the round's size
         super().__init__(_as_profile(sps).monotone(), max_tokens)
@@ -93,6 +95,8 @@ class AutoPolicy(SyncScheduler):
         lo = max(1, M // 2)
         self._plain_slope = max((self._plain_s[M] - self._plain_s[lo]) / (M - lo), 0.0) if M > lo else 0.0
         self._draft_s = None if self.drafting is None else 1.0 / self.drafting.dense(self.drafting.max_tokens)
+        self.context = None if context is None else _as_profile(context).monotone()
+        self._ctx_s = None if self.context is None else 1.0 / self.context.dense(self.context.max_tokens)
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay!r}")
         if explore_every < 0:
@@ -114,6 +118,7 @@ class AutoPolicy(SyncScheduler):
         self._updates = 0                          # estimate updates so far (lengths)
         self._last = None                          # (inputs, outputs) of the last _decide
         self._ids: list | None = None              # this round's request ids (None: not known)
+        self._waiting: list | None = None          # this round's deferred positions per request
         self._tried: set = set()                   # ids explored as new requests
         self._explore_rows: list | None = None     # the rows an exploring round drafts for
         self._could_pay: dict = {}                 # (R, drafting, drafts) -> bool: the bound
@@ -130,8 +135,10 @@ class AutoPolicy(SyncScheduler):
         read (one device read fewer, as under "fixed")."""
         return not self._blind
 
-    def begin_round(self, ids) -> None:
-        self._ids = ids  # read this round only, not kept
+    def begin_round(self, ids, waiting=None) -> None:
+        """ids: the round's request ids; waiting: per request, the positions whose drafter
+        context it would write before drafting (deferred in plain rounds), or None."""
+        self._ids, self._waiting = ids, waiting  # read this round only, not kept
         if self._ids is not None and len(self._own) + len(self._tried) > 2 * len(self._ids) + 16:
             here = set(self._ids)  # forget the requests that finished
             self._own = {k: v for k, v in self._own.items() if k in here}
@@ -142,9 +149,12 @@ class AutoPolicy(SyncScheduler):
         self._round += 1
         if self._ids is not None and len(self._ids) != R:
             self._ids = None  # not this batch's
+        if self._waiting is not None and len(self._waiting) != R:
+            self._waiting = None
         spec, everything = self._decide(caps, gamma)
-        share = self._share(R)  # requests an exploring round drafts for
-        cap = 2 * self._drafting_cost(share)
+        share = self._rotation(R)  # the requests the next exploring round drafts for
+        cost = self._explore_cost(share)
+        cap = 2 * cost
         self._credit = cap if self._credit is None else \
             min(self._credit + self.explore_budget * float(self._verify_s(R)), cap)
         self._explore = spec is None  # nothing known yet: a few requests draft to learn
@@ -153,14 +163,14 @@ class AutoPolicy(SyncScheduler):
         elif spec or self._margin >= CLEAR_LOSS:
             self._interval = self.explore_every  # speculating, or a close call: no backing off
         if not spec and self.explore_every and self._plain_run + 1 >= self._interval and \
-                self._credit >= self._drafting_cost(share):
+                self._credit >= cost:
             spec = self._explore = True
             self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every)
         self._explore_rows = self._new_requests(caps, gamma) if not spec or self._explore else None
         if self._explore_rows:
             spec = self._explore = True
         if self._explore:
-            self._credit -= self._drafting_cost(len(self._explore_rows) if self._explore_rows else share)
+            self._credit -= self._explore_cost(self._explore_rows) if self._explore_rows else cost
         self._age += 1
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
@@ -185,14 +195,29 @@ class AutoPolicy(SyncScheduler):
             return [c if i in keep else 0 for i, c in enumerate(caps)]
         if R < 2:
             return caps
-        k = self._share(R)
-        keep = {(self._explore_from + i) % R for i in range(k)}
-        self._explore_from = (self._explore_from + k) % R
+        keep = set(self._rotation(R))
+        self._explore_from = (self._explore_from + len(keep)) % R
         return [c if i in keep else 0 for i, c in enumerate(caps)]
 
     def _share(self, R: int) -> int:
         """Requests an exploring round of a batch of R drafts for."""
         return max(1, int(R * self.explore_share))
+
+    def _rotation(self, R: int) -> list[int]:
+        """The rows the next exploring round of a batch of R drafts for (all of a batch of 1)."""
+        return [(self._explore_from + i) % R for i in range(self._share(R))] if R > 1 else [0]
+
+    def _explore_cost(self, rows) -> float:
+        """Seconds an exploring round adds for these rows: their drafting, and the drafter
+        context deferred for them (when begin_round said how much and the profile prices it)."""
+        cost = self._drafting_cost(len(rows))
+        if self._ctx_s is not None and self._waiting is not None:
+            n = sum(self._waiting[i] for i in rows)
+            if n > 0:
+                M = self.context.max_tokens
+                per = self._ctx_s[M] / M  # beyond the profile: its average cost per position
+                cost += float(self._ctx_s[n]) if n <= M else n * per
+        return cost
 
     def _drafting_cost(self, k: int) -> float:
         """Seconds the drafting of k requests adds to a round: the no-drafts round of k requests
@@ -213,7 +238,7 @@ class AutoPolicy(SyncScheduler):
         if not rows:
             return None
         rows = rows[: self._share(R)]
-        if self._credit < self._drafting_cost(len(rows)):
+        if self._credit < self._explore_cost(rows):
             return None  # not now: exploring has spent its budget (they stay new)
         n = sum(min(caps[i], gamma) for i in rows)
         key = (R, len(rows), n)

@@ -61,8 +61,9 @@ class VerifyPolicy:
     # (runner/round.py): worth it for a policy that decodes plainly for many rounds
     defers_context = False
 
-    def begin_round(self, ids) -> None:
-        """The round's request ids in batch order (None when the caller has none), before
+    def begin_round(self, ids, waiting=None) -> None:
+        """The round's request ids in batch order (None when the caller has none) and, per
+        request, the positions whose drafter context is deferred (None: not known), before
         speculates(): for a policy that keeps per-request state (AutoPolicy)."""
 
     def speculates(self, caps: list[int], gamma: int) -> bool:

@@ -67,7 +67,8 @@ def _config_id(cfg) -> str:
     return f"{src.parent.name}@{hashlib.sha256(data).hexdigest()[:12]}"
 
 
-SHAPES = ("spread", "no_drafts")
+SHAPES = ("spread", "no_drafts", "context")
+_MODES = {"spread": "dspark", "no_drafts": "dspark-no-drafts", "context": "dspark-context"}
 
 
 def model_identity(runner: Runner, context_len: int, shape: str = "spread") -> str:
@@ -77,7 +78,7 @@ def model_identity(runner: Runner, context_len: int, shape: str = "spread") -> s
     parts = [_config_id(runner.target.config)]
     if runner.drafter is not None:
         parts.append(_config_id(runner.drafter.config))
-    mode = "ar" if runner.mode == "ar" else "dspark" if shape == "spread" else "dspark-no-drafts"
+    mode = "ar" if runner.mode == "ar" else _MODES[shape]
     s = "+".join(parts) + f"/{mode}/ctx{context_len}"
     if runner.device.type != "cuda":  # the CPU model, its cores and the torch threads used
         s += f"/cpu:{_cpu_model()}:{platform.machine()}x{os.cpu_count()}/threads{torch.get_num_threads()}"
@@ -113,7 +114,10 @@ class RoundWorkload:
     """A pool of prefilled synthetic requests and `step(B)`: one real round with B verify tokens,
     on a Runner of its own over `runner`'s models (the engine's caches are untouched).
     shape "spread": R = ceil(B / (gamma + 1)) requests share B - R drafts; "no_drafts": B
-    requests that draft and verify none (the cost of drafting for B requests, AutoPolicy)."""
+    requests that draft and verify none (the cost of drafting for B requests, AutoPolicy);
+    "context": not a round but the drafter context update of B positions, as few requests
+    holding as many positions each as the pool's context allows (what a request that drafts
+    after a plain stretch writes first, runner/round.py; AutoPolicy prices exploring with it)."""
 
     def __init__(self, runner: Runner, max_batch: int, context_len: int, seed: int = 0,
                  shape: str = "spread"):
@@ -124,7 +128,10 @@ class RoundWorkload:
         self.runner = r = Runner(runner.target, runner.drafter, mode, runner.page_size, runner.device)
         self.policy, self.calibration, self.round = _FixedLengths(), Calibration.identity(max(r.gamma, 1)), Round()
         self.gamma = gamma = r.gamma
-        self.max_tokens = max_batch * (gamma + 1) if shape == "spread" else max_batch
+        if shape != "spread" and runner.drafter is None:
+            raise ValueError(f"shape {shape!r} needs a drafter (mode {runner.mode!r} has none)")
+        self.max_tokens = max_batch if shape == "no_drafts" else max_batch * (gamma + 1)
+        self.room = context_len + gamma + 1  # positions a pool request's pages hold
         self.sync = torch.cuda.synchronize if r.device.type == "cuda" else None
         V = r.target.config.vocab_size
         g = torch.Generator().manual_seed(seed)
@@ -146,10 +153,20 @@ class RoundWorkload:
             _, toks, _ = first_token(r, b, logits)
             for j, t in zip(rows, toks):
                 self.batch.anchors[j] = t[0]
+        if shape == "context":  # target features of max_tokens positions, drawn once
+            width = r.target.config.hidden_size * len(r.capture)
+            self.features = torch.randn(self.max_tokens, width, generator=g).to(r.device, r.target.dtype)
 
     def step(self, B: int):
         if not 1 <= B <= self.max_tokens:
             raise ValueError(f"B must lie in [1, {self.max_tokens}], got {B}")
+        if self.shape == "context":  # positions 0.. of the first requests, rewritten in place
+            per = min(B, self.room)
+            counts = [per] * (B // per) + ([B % per] if B % per else [])
+            pages = self.batch.drafter_pages[: len(counts)]
+            self.runner.context_update(pages, [0] * len(counts), counts, self.features[:B],
+                                       [i * per for i in range(len(counts))])
+            return
         R = -(-B // (self.gamma + 1)) if self.shape == "spread" else B
         base, rem = divmod(B - R, R)
         self.policy.next = torch.tensor([base + (i < rem) for i in range(R)], dtype=torch.int64)
@@ -177,7 +194,7 @@ def runner_key(runner: Runner, *, max_batch: int | None = None, context_len: int
     """The profile_key a profile of this runner's model pair measured now would carry."""
     _, max_batch, context_len = _resolve(runner, 1.0, max_batch, context_len)
     dtype = str(runner.target.dtype).removeprefix("torch.")
-    per = runner.gamma + 1 if shape == "spread" else 1
+    per = 1 if shape == "no_drafts" else runner.gamma + 1
     return profile_key(model_identity(runner, context_len, shape), dtype, max_batch=max_batch,
                        max_tokens=max_batch * per, gpu=_gpu(runner.device))
 

@@ -82,7 +82,7 @@ class Round:
         #      round (no drafter, or the policy finds from earlier rounds that drafting won't pay)
         caps = self.caps(batch, runner.gamma)
         if runner.gamma and hasattr(policy, "begin_round"):
-            policy.begin_round(batch.ids)
+            policy.begin_round(batch.ids, [kv - c for kv, c in zip(batch.kv_lens, batch.ctx_lens)])
         speculate = runner.gamma and policy.speculates(caps, runner.gamma)
         if speculate:  # requests whose cap the policy zeroes draft nothing (AutoPolicy explores)
             caps = [0 if gone else c for c, gone in zip(policy.draft_caps(caps), lost)]
