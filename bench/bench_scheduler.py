@@ -4,6 +4,10 @@ Async splits into the critical path (admission: ops.prefix_topk of the current s
 the planned K) and the off-critical-path budget search (plan_budget, run on survivals two
 rounds old). `candidates` (cap / NaN masking, shared by both) is reported on its own.
 
+Second table: the engine's RequestScheduler.schedule() per step for R requests that decode
+(one position committed per step, a new page every page_size steps), with the target cache
+alone (ar) and with a drafter cache whose context is deferred (dspark under policy auto).
+
     python bench/bench_scheduler.py [--json] [--repeats N]
 """
 import argparse
@@ -71,6 +75,31 @@ def bench_shape(R: int, gamma: int, repeats: int) -> dict:
     return row
 
 
+def request_schedule_us(R: int, drafter: bool, steps: int) -> float:
+    """Median µs of RequestScheduler.schedule() over `steps` decoding steps of R requests."""
+    from dspark_rt.engine.block_manager import BlockManager
+    from dspark_rt.engine.scheduler import RequestScheduler, SchedRequest
+    target = BlockManager(1 << 15, 16, name="target")
+    draft = BlockManager(1 << 15, 16, name="drafter") if drafter else None
+    gamma = 7 if drafter else 0
+    sched = RequestScheduler(256, 8192, target, draft, gamma=gamma, block_size=gamma)
+    reqs = [SchedRequest(i, list(range(1, 40 + i)), steps + 16) for i in range(R)]
+    for r in reqs:
+        sched.add(r)
+    for chunk in sched.schedule().prefills:
+        sched.prefilled(chunk)
+        chunk.req.output_ids.append(5)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        out = sched.schedule()
+        times.append(time.perf_counter_ns() - t0)
+        for r in out.decodes:
+            r.output_ids.append(7)
+            sched.decoded(r, 1, context=not drafter)
+    return statistics.median(times) / 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
@@ -84,8 +113,11 @@ def main():
               "prefix_topk_backend": "cpp" if "cpp" in ops.available_backends() else "reference",
               "gpus": nvml_state(), "repeats": args.repeats, "torch_threads": 1}
     rows = [bench_shape(R, gamma, args.repeats) for R, gamma in SHAPES]
+    requests = [{"R": R, "ar_us": request_schedule_us(R, False, args.repeats),
+                 "dspark_deferred_us": request_schedule_us(R, True, args.repeats)}
+                for R in (1, 8, 32, 128)]
     if args.json:
-        print(json.dumps({"header": header, "rows": rows}, indent=1))
+        print(json.dumps({"header": header, "rows": rows, "request_scheduler": requests}, indent=1))
         return
     print(f"# {header['machine']} ({header['cpus']} CPUs), python {header['python']}, torch "
           f"{header['torch']}, prefix_topk backend {header['prefix_topk_backend']}, 1 thread, "
@@ -96,6 +128,10 @@ def main():
         print(f"{r['R']:>4} {r['gamma']:>5} | {r['sync_us']:>6.1f}us | {r['async_admit_us']:>9.1f}us "
               f"{r['async_plan_us']:>13.1f}us | {r['candidates_us']:>6.1f}us {r['async_round_us']:>9.1f}us"
               f" | {r['sync_len_mean']:>11.2f} {r['async_K_mean']:>7.1f}")
+    print("\nRequestScheduler.schedule() per decoding step")
+    print(f"{'R':>4} | {'ar':>8} | {'dspark, context deferred':>24}")
+    for r in requests:
+        print(f"{r['R']:>4} | {r['ar_us']:>6.1f}us | {r['dspark_deferred_us']:>22.1f}us")
 
 
 if __name__ == "__main__":
