@@ -79,7 +79,8 @@ class Decoder:
     policy: "fixed" | "threshold" | "sync" | "async" | "auto" | a VerifyPolicy (used in "dspark"
     mode); "sync" and "async" read sps= (a measured throughput profile or its JSON path); without
     it the runner is profiled once and cached by device identity; "auto" (also decides per round
-    whether to draft at all) reads sps=(speculative profile, plain-round profile) likewise. calibration: STS temperatures
+    whether to draft at all) reads sps=(speculative, plain-round, no-drafts, context-update
+    profiles) likewise, any of them None to measure it. calibration: STS temperatures
     (a Calibration, a list, or the path of a JSON written by dspark_rt.policies.sts or SGLang);
     from_pretrained uses the drafter folder's dspark_calibration.json when none is given.
     calibration_source says which temperatures are in force (a path, "given" or None; with
