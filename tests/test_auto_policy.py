@@ -428,3 +428,49 @@ def test_exploring_prices_the_context_it_writes_first():
     assert counts[0] == 1000  # every second round: the interval alone
     assert counts[100] < counts[0] / 4
     assert counts[100] * costs[100] <= 0.02 * 2000 * 0.01 + 2 * costs[100]
+
+
+def test_the_credit_prices_the_rows_that_draft_and_holds_two_rounds():
+    """The credit is spent on the rows an exploring round drafts for (the rotation's, with their
+    own deferred context), holds at most two exploring rounds whatever the stretch before it,
+    and is not spent while no row may draft (requests that opted out of speculation)."""
+    plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])
+    sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])
+    drafting = SPSProfile([1, 8, 32], [50.0, 15.0, 5.0])
+    context = SPSProfile([1, 64, 128], [2000.0, 200.0, 100.0])
+    ids = list("abcdefgh")
+    # R = 8, explore_share 1/4: the rotation drafts for rows 6 and 7 next; it is charged their
+    # drafting and their 150 deferred positions, not anyone else's
+    pol = AutoPolicy(sps, plain, drafting, context, explore_every=1, explore_share=0.25)
+    pol.estimate = np.zeros(7)
+    pol._tried.update(ids)
+    pol._explore_from = 6
+    waiting = [0, 0, 0, 0, 0, 0, 50, 100]
+    pol.begin_round(ids, waiting)
+    pol._credit = 10.0  # plenty; the cap cuts it to two rounds of these rows
+    want = pol._explore_cost([6, 7])
+    assert want > pol._explore_cost([0, 1]) > 0
+    assert pol.speculates([7] * 8, 7) and pol.draft_caps([7] * 8) == [0] * 6 + [7, 7]
+    assert pol._credit == pytest.approx(2 * want - want, rel=1e-6)
+    # a long speculative stretch (the estimates say every draft pays) banks no more than two
+    # exploring rounds: once plain rounds win, exploring every round is cut to the budget
+    pol = AutoPolicy(sps, plain, drafting, explore_every=1)
+    pol.estimate = np.full(7, 0.95)
+    pol._tried.add("a")
+    for _ in range(500):
+        pol.begin_round(["a"])
+        assert pol.speculates([7], 7) and not pol._explore
+    pol.estimate = np.zeros(7)
+    explored = 0
+    for _ in range(20):
+        pol.begin_round(["a"])
+        explored += pol.speculates([7], 7)
+    assert 1 <= explored <= 2  # 20 plain rounds add 0.4 of one exploring round's 10 ms
+    # while no request may draft (speculative=False), nothing is spent: exploring resumes at
+    # once when one may
+    pol = AutoPolicy(sps, plain, drafting, explore_every=2)
+    for _ in range(1000):
+        pol.speculates([0], 7)
+    assert pol._credit is None  # nothing was priced, nothing spent: it starts full when one may draft
+    pol.estimate = np.zeros(7)
+    assert any(pol.speculates([7], 7) for _ in range(3))

@@ -106,28 +106,29 @@ def test_profile_runner_table(tiny_target, drafter):
 def test_context_profile_writes_the_drafter_context_of_B_positions(tiny_target, drafter):
     """Shape "context" (what AutoPolicy prices exploring with) times the drafter context update
     of B positions: a step writes exactly the context the drafter computes from those
-    features, positions 0.. of as few pool requests as hold them."""
+    features, at positions 0.. of as few pool requests as hold them (here 9 and 1)."""
     import torch
     dec = Decoder.from_pretrained(tiny_target, drafter)
-    work = profiling.RoundWorkload(dec.runner, 2, 16, shape="context")
-    assert work.max_tokens == 2 * (GAMMA + 1)
-    r, B = work.runner, 7
-    kv = r.dcache.k_all.clone()
+    work = profiling.RoundWorkload(dec.runner, 2, 4, shape="context")
+    r, B = work.runner, 2 * (GAMMA + 1)
+    assert work.max_tokens == B and work.room == 4 + GAMMA + 1 == 9
     work.step(B)
-    changed = (r.dcache.k_all != kv).any(dim=tuple(i for i in range(kv.dim()) if i != 1))
-    assert int(changed.sum()) == -(-B // r.page_size)  # the pages of positions 0..6 of request 0
-    want = r.dcache.k_all.clone()
+    got = (r.dcache.k_all.clone(), r.dcache.v_all.clone())
     r.dcache.k_all.zero_()
-    pos = torch.arange(B)
-    pages = work.batch.drafter_pages[0]
-    slots = torch.tensor([pages[p // r.page_size] * r.page_size + p % r.page_size for p in range(B)])
+    r.dcache.v_all.zero_()
+    ps, spans = r.page_size, [(0, 0, 9), (1, 9, 1)]  # (request, first feature row, positions)
+    slots = torch.tensor([work.batch.drafter_pages[q][p // ps] * ps + p % ps
+                          for q, _, n in spans for p in range(n)])
+    pos = torch.tensor([p for _, _, n in spans for p in range(n)])
     r.drafter.context_update(work.features[:B], pos, slots, r.dcache)
-    torch.testing.assert_close(r.dcache.k_all[:, pages[0], :B], want[:, pages[0], :B])
-    key = profiling.runner_key(dec.runner, max_batch=2, context_len=16, shape="context")
-    assert "/dspark-context/" in key["model"] and key["max_tokens"] == 2 * (GAMMA + 1)
+    for mine, want in zip(got, (r.dcache.k_all, r.dcache.v_all)):
+        flat, ref = mine.flatten(1, 2), want.flatten(1, 2)  # [layers, slots, h_kv, head_dim]
+        torch.testing.assert_close(flat[:, slots], ref[:, slots])
+    key = profiling.runner_key(dec.runner, max_batch=2, context_len=4, shape="context")
+    assert "/dspark-context/" in key["model"] and key["max_tokens"] == B
     ar = Decoder.from_pretrained(tiny_target, mode="ar")
     with pytest.raises(ValueError, match="needs a drafter"):
-        profiling.RoundWorkload(ar.runner, 2, 16, shape="context")
+        profiling.RoundWorkload(ar.runner, 2, 4, shape="context")
 
 
 def test_load_or_profile_reuses_cache(tiny_target, drafter, tmp_path, monkeypatch, caplog):

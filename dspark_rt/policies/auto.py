@@ -41,14 +41,15 @@ credit: every round adds explore_budget x the seconds of a plain round of its ba
 exploring round (forced by the interval, or exploring new requests) needs, and spends, the
 seconds it adds: the drafting of its requests (the no-drafts profile of as many requests, less
 a plain round of as many) and the drafter context they write first (the positions deferred
-while they decoded plainly, begin_round's `waiting`, at the context profile's cost). The credit
-is capped at two exploring rounds of the batch and starts full, so over any stretch exploring
-costs at most explore_budget of the plain rounds' time plus two exploring rounds, as the
-profiles price it (the speculative round's scheduling on the host is not in them: ~1 ms a round
-on a 2-core CPU). The first round, with nothing known, explores whatever the credit. Without
-the no-drafts profile exploring is not priced and only the interval applies; without the
-context profile its context is not. Like every decision here, the credit depends on batch
-sizes, profiles and earlier decisions alone.
+while they decoded plainly, begin_round's `waiting`, at the context profile's cost); only rows
+that may draft are priced. The credit holds at most two exploring rounds of the batch (the
+dearer of the rotation's next rows and the new requests' rows) and starts full, so over any
+stretch exploring costs at most explore_budget of the plain rounds' time plus two exploring
+rounds, as the profiles price it (the speculative round's scheduling on the host is not in
+them: ~1 ms a round on a 2-core CPU). The first round, with nothing known, explores whatever the
+credit (its debt is bounded by the same two rounds). Without the no-drafts profile exploring is
+not priced and only the interval applies; without the context profile its context is not. Like
+every decision here, the credit depends on batch sizes, profiles and earlier decisions alone.
 
 New requests. The shared estimate is what other requests taught it, and a plain stretch backs
 exploring off: a request that joins then (at batch 1, every new prompt) could decode plainly for
@@ -96,7 +97,8 @@ class AutoPolicy(SyncScheduler):
         self._plain_slope = max((self._plain_s[M] - self._plain_s[lo]) / (M - lo), 0.0) if M > lo else 0.0
         self._draft_s = None if self.drafting is None else 1.0 / self.drafting.dense(self.drafting.max_tokens)
         self.context = None if context is None else _as_profile(context).monotone()
-        self._ctx_s = None if self.context is None else 1.0 / self.context.dense(self.context.max_tokens)
+        self._ctx_s = None if self.context is None else \
+            1.0 / self.context.dense(self.context.max_tokens)  # [M + 1] seconds per B positions
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay!r}")
         if explore_every < 0:
@@ -152,25 +154,33 @@ class AutoPolicy(SyncScheduler):
         if self._waiting is not None and len(self._waiting) != R:
             self._waiting = None
         spec, everything = self._decide(caps, gamma)
-        share = self._rotation(R)  # the requests the next exploring round drafts for
+        # what exploring would cost this round: the rows of the rotation that may draft, or the
+        # new requests' rows; the credit holds up to two of the dearer one
+        share = [i for i in self._rotation(R) if caps[i] > 0]
         cost = self._explore_cost(share)
-        cap = 2 * cost
-        self._credit = cap if self._credit is None else \
-            min(self._credit + self.explore_budget * float(self._verify_s(R)), cap)
+        new_rows = self._fresh_rows(caps)
+        fresh_cost = self._explore_cost(new_rows) if new_rows else 0.0
+        cap = 2 * max(cost, fresh_cost)
+        if cap > 0:  # else nothing could draft (or nothing is priced): the credit waits
+            self._credit = cap if self._credit is None else \
+                min(self._credit + self.explore_budget * float(self._verify_s(R)), cap)
+        credit = self._credit or 0.0
         self._explore = spec is None  # nothing known yet: a few requests draft to learn
         if spec is None:
             spec, everything = True, False  # read the confidences: they are what it learns
         elif spec or self._margin >= CLEAR_LOSS:
             self._interval = self.explore_every  # speculating, or a close call: no backing off
         if not spec and self.explore_every and self._plain_run + 1 >= self._interval and \
-                self._credit >= cost:
+                credit >= cost:
             spec = self._explore = True
             self._interval = min(2 * self._interval, MAX_BACKOFF * self.explore_every)
-        self._explore_rows = self._new_requests(caps, gamma) if not spec or self._explore else None
+        self._explore_rows = self._new_requests(caps, gamma, new_rows, credit >= fresh_cost) \
+            if new_rows and (not spec or self._explore) else None
         if self._explore_rows:
             spec = self._explore = True
-        if self._explore:
-            self._credit -= self._explore_cost(self._explore_rows) if self._explore_rows else cost
+        spent = (fresh_cost if self._explore_rows else cost) if self._explore else 0.0
+        if spent > 0:  # the first round spends whatever the credit: the debt stays bounded
+            self._credit = max(credit - spent, -cap)
         self._age += 1
         # blind rounds do not refresh the estimates: one in explore_every reads the confidences
         fresh = not self.explore_every or self._blind_run + 1 < self.explore_every
@@ -205,7 +215,18 @@ class AutoPolicy(SyncScheduler):
 
     def _rotation(self, R: int) -> list[int]:
         """The rows the next exploring round of a batch of R drafts for (all of a batch of 1)."""
-        return [(self._explore_from + i) % R for i in range(self._share(R))] if R > 1 else [0]
+        if R < 2:
+            return list(range(R))
+        return [(self._explore_from + i) % R for i in range(self._share(R))]
+
+    def _fresh_rows(self, caps) -> list:
+        """Rows of requests that never drafted and may draft now (up to an exploring share of
+        the batch), in batch order; [] without request ids."""
+        if self._ids is None:
+            return []
+        rows = [i for i, (rid, c) in enumerate(zip(self._ids, caps))
+                if c > 0 and rid not in self._own and rid not in self._tried]
+        return rows[: self._share(len(caps))]
 
     def _explore_cost(self, rows) -> float:
         """Seconds an exploring round adds for these rows: their drafting, and the drafter
@@ -226,19 +247,11 @@ class AutoPolicy(SyncScheduler):
             return 0.0
         return max(float(self._draft_s[k] - self._verify_s(k)), 0.0)
 
-    def _new_requests(self, caps, gamma) -> list | None:
-        """Rows of requests that never drafted (up to an exploring share of the batch) to explore
-        this round, when the best case of their drafting would pay clearly (module docstring);
-        None otherwise, or without request ids."""
-        if self._ids is None:
-            return None
+    def _new_requests(self, caps, gamma, rows, affordable: bool) -> list | None:
+        """rows (_fresh_rows) to explore this round, when the best case of their drafting would
+        pay clearly (module docstring) and the credit holds their cost; None otherwise."""
         R = len(caps)
-        rows = [i for i, (rid, c) in enumerate(zip(self._ids, caps))
-                if c > 0 and rid not in self._own and rid not in self._tried]
-        if not rows:
-            return None
-        rows = rows[: self._share(R)]
-        if self._credit < self._explore_cost(rows):
+        if not affordable:
             return None  # not now: exploring has spent its budget (they stay new)
         n = sum(min(caps[i], gamma) for i in rows)
         key = (R, len(rows), n)
