@@ -474,3 +474,21 @@ def test_the_credit_prices_the_rows_that_draft_and_holds_two_rounds():
     assert pol._credit is None  # nothing was priced, nothing spent: it starts full when one may draft
     pol.estimate = np.zeros(7)
     assert any(pol.speculates([7], 7) for _ in range(3))
+
+
+def test_it_speculates_only_on_a_clear_expected_gain():
+    """The profiles leave out the host scheduling of a speculative round, so a round speculates
+    on the estimates' word only when they expect SPEC_GAIN over a plain round: an expected 1.05x
+    decodes plainly, 1.2x drafts."""
+    from dspark_rt.policies.auto import SPEC_GAIN
+    plain = SPSProfile([1, 8, 32, 64], [100.0, 90.0, 60.0, 40.0])
+    sps = SPSProfile([1, 8, 32, 64], [80.0, 75.0, 50.0, 35.0])
+    drafting = SPSProfile([1, 8, 32], [50.0, 15.0, 5.0])
+    pol = AutoPolicy(sps, plain, drafting)
+    seen = []
+    for c in np.linspace(0.05, 0.99, 95):
+        pol.estimate = np.full(7, c)
+        spec = pol._decide([7], 7)[0]
+        seen.append((pol._margin, spec))
+        assert spec == (pol._margin > SPEC_GAIN), (c, pol._margin)
+    assert any(1.0 < m <= SPEC_GAIN for m, _ in seen) and any(s for _, s in seen)
