@@ -16,7 +16,9 @@ the coming round are estimated per draft position from the calibrated
 survivals of past rounds (exponential averages): one shared, and one per request that drafted
 (with the request ids of begin_round). The speculative side drafts for the k requests with the
 best estimates (the others decode plainly in the round) and takes the best n (Algorithm 1's
-objective on their estimates), k and n those of the highest expected tokens/s. A round then
+objective on their estimates), k and n those of the highest expected tokens/s; it speculates
+only when that beats a plain round by SPEC_GAIN (1.1x: the profiles time real rounds, but not
+a speculative round's host scheduling, on a CPU a fifth of a small plain round). A round then
 chooses its lengths with Algorithm 1 on its own confidences (SyncScheduler), except when the
 estimates say every draft pays: then it verifies them all without reading the confidences (as
 "fixed" does), reading them again at least once in explore_every rounds.
