@@ -15,6 +15,7 @@
 #include "append_kv.h"
 #include "attn_split.h"
 #include "common.h"
+#include "linear.h"
 #include "markov_sample.h"
 #include "prefix_topk.h"
 #include "rejection_sample.h"
@@ -300,6 +301,25 @@ PYBIND11_MODULE(_C, m) {
         "append_kv",
         [](const P& p, const std::string& backend, uintptr_t stream) {
           Launch<P>("append_kv", AppendKvCpu, DSPARK_CUDA_FN(AppendKvCuda), p, backend, stream);
+        },
+        py::arg("params"), py::arg("backend"), py::arg("stream"));
+  }
+
+  {
+    using P = LinearParams;
+    const char* cls = "LinearParams";
+    py::class_<P> c(m, cls);
+    c.def(py::init<>());
+    c.def_readwrite("M", &P::M).def_readwrite("N", &P::N).def_readwrite("K", &P::K);
+    c.def_readwrite("ldx", &P::ldx).def_readwrite("ldw", &P::ldw).def_readwrite("ldo", &P::ldo);
+    DefEnum(c, cls, "dtype", &P::dtype, 0, kMaxDType);
+    DefPtr(c, "x", &P::x);
+    DefPtr(c, "w", &P::w);
+    DefPtr(c, "out", &P::out);
+    m.def(
+        "linear",
+        [](const P& p, const std::string& backend, uintptr_t stream) {
+          Launch<P>("linear", LinearCpu, DSPARK_CUDA_FN(LinearCuda), p, backend, stream);
         },
         py::arg("params"), py::arg("backend"), py::arg("stream"));
   }

@@ -819,9 +819,13 @@ def test_binding_errors():
         with pytest.raises(RuntimeError, match="prefix_topk: this build has no CUDA kernels"):
             _C.prefix_topk(q, "cuda", 0)
     a = _C.VerifyAttentionParams()
-    a.R, a.dtype = 1, 3  # bfloat16: not a CPU dtype
-    with pytest.raises(RuntimeError, match="verify_attention.*unsupported"):
+    a.R, a.dtype = 1, 3  # bfloat16, and no cu_q: refused, nothing read
+    with pytest.raises(ValueError, match="verify_attention.*bad argument"):
         _C.verify_attention(a, "cpp", 0)
+    lin = _C.LinearParams()
+    lin.M, lin.N, lin.K, lin.ldx, lin.ldw, lin.ldo = 2, 3, 4, 4, 4, 3  # null pointers
+    with pytest.raises(ValueError, match="linear.*bad argument"):
+        _C.linear(lin, "cpp", 0)
     t = torch.zeros(4)
     a.q = t.data_ptr()
     assert a.q == t.data_ptr()

@@ -366,6 +366,92 @@ def test_prefix_topk(case):
         assert torch.equal(got, want), (K, got, want, oc.where(case))
 
 
+# ---- linear (row-invariant GEMM: DESIGN §6) -----------------------------------------------------
+# (M, N, K): M spans decode (1, 7, 8, 9: around the 8/16-row edges) to prefill-sized (257, 300);
+# N and K are tile-awkward (1, 17, 1000, 4099: not multiples of 16/32/128, odd K breaks 16-byte
+# rows and takes the element-wise load path), plus K = 0 and multiples of every tile.
+LINEAR_CASES = [(1, 1, 1), (1, 17, 4099), (7, 1000, 17), (8, 4099, 1000), (9, 17, 1000),
+                (64, 1000, 4099), (257, 4099, 17), (300, 1, 4099), (1, 4096, 4096), (16, 4096, 4096),
+                (64, 512, 1024), (257, 1000, 1000), (3, 5, 0), (33, 4099, 8), (5, 40000, 64)]
+
+
+def _has_linear():
+    return hasattr(ops, "linear")
+
+
+def _linear_inputs(M, N, K, dtype, key=0):
+    g = oc.generator(("linear", M, N, K), key)
+    x = torch.randn(M, K, generator=g, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * max(K, 1) ** -0.5
+    return x.to(DEV, dtype), w.to(DEV, dtype)
+
+
+@pytest.mark.skipif(not _has_linear(), reason="ops.linear not in this tree yet")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,N,K", LINEAR_CASES, ids=str)
+def test_linear(M, N, K, dtype):
+    x, w = _linear_inputs(M, N, K, dtype)
+    got = ops.linear(x, w, backend="cuda")
+    ref = ops.linear(x, w, backend="reference")
+    assert got.dtype == dtype and got.shape == (M, N)
+    # Both are float32 sums of the same K products (exact in float32 for 16-bit inputs; for
+    # float32 each side rounds a product at most once, 2^-24 of it), rounded once to the dtype.
+    # The sums differ by their order (cuBLAS blocks and splits, the kernel walks k in order): at
+    # most (K + 1) 2^-24 sum_k |x_k w_k| each, so (2 K + 2) 2^-24 between them; the roundings of
+    # two such sums may land one step apart (EPS |ref|, or float16's subnormal spacing 2^-24).
+    mag = x.double().abs() @ w.double().abs().T
+    floor = {F16: 2.0 ** -24, BF16: 2.0 ** -133, F32: 2.0 ** -149}[dtype]
+    bound = EPS[dtype] * ref.double().abs() + (2 * K + 2) * 2.0 ** -24 * mag + floor
+    err = (got.double() - ref.double()).abs()
+    assert bool((err <= bound).all()), (M, N, K, dtype, float((err / bound).max()), oc.SEED)
+    if K == 0:
+        assert bool((got == 0).all())
+
+
+@pytest.mark.skipif(not _has_linear(), reason="ops.linear not in this tree yet")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,N,K", [(257, 1000, 4099), (64, 4099, 1000), (9, 17, 17), (300, 4096, 512),
+                                   (40, 999, 64)], ids=str)
+def test_linear_row_invariance(M, N, K, dtype):
+    """A row's output is the same bits whatever rows share the call: all together, each row
+    alone, random contiguous splits, a permutation, and the rows inside a batch of other rows."""
+    x, w = _linear_inputs(M, N, K, dtype)
+    full = ops.linear(x, w, backend="cuda")
+    for i in range(M):  # x[i:i+1] is misaligned for odd K: the element-wise load path too
+        assert torch.equal(ops.linear(x[i:i + 1], w, backend="cuda"), full[i:i + 1]), (i, M, N, K, dtype)
+    g = oc.generator(("linear-split", M, N, K))
+    for trial in range(4):
+        cuts = sorted(torch.randperm(M - 1, generator=g)[:min(M - 1, 1 + trial * 3)].add(1).tolist())
+        parts = [ops.linear(x[a:b], w, backend="cuda") for a, b in zip([0] + cuts, cuts + [M])]
+        assert torch.equal(torch.cat(parts), full), (cuts, M, N, K, dtype)
+    perm = torch.randperm(M, generator=g).to(DEV)
+    assert torch.equal(ops.linear(x[perm], w, backend="cuda"), full[perm])
+    others = torch.randn(37, K, generator=g).to(DEV, dtype)
+    mixed = torch.cat([others[:20], x, others[20:]])
+    assert torch.equal(ops.linear(mixed, w, backend="cuda")[20:20 + M], full)
+    # a NaN row poisons its own outputs only
+    poisoned = x.clone()
+    poisoned[M // 2, K // 2] = math.nan
+    got = ops.linear(poisoned, w, backend="cuda")
+    keep = torch.arange(M, device=DEV) != M // 2
+    assert got[M // 2].isnan().all() and torch.equal(got[keep], full[keep])
+
+
+@pytest.mark.skipif(not _has_linear(), reason="ops.linear not in this tree yet")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_strided_rows_and_out(dtype):
+    """Rows with a stride (a view of wider rows) and a caller's out give the contiguous bits."""
+    M, N, K = 19, 300, 136
+    x, w = _linear_inputs(M, N, K, dtype)
+    want = ops.linear(x, w, backend="cuda")
+    wide = torch.zeros(M, K + 9, dtype=dtype, device=DEV)
+    wide[:, 3:3 + K] = x
+    assert torch.equal(ops.linear(wide[:, 3:3 + K], w, backend="cuda"), want)
+    out = torch.full((M, N), math.nan, dtype=dtype, device=DEV)
+    res = ops.linear(x, w, out=out, backend="cuda")
+    assert res.data_ptr() == out.data_ptr() and torch.equal(out, want)
+
+
 # ---- verify_attention -------------------------------------------------------------------------
 AC = oc.AttentionCase
 ATTENTION_CASES = [(c, dt) for c in oc.ATTENTION_CASES for dt in DTYPES] + [
@@ -492,6 +578,74 @@ def test_verify_attention_batch_invariant(monkeypatch):
     one = torch.tensor([0, 1], dtype=torch.int32, device=DEV)  # chain entry 0 alone, kv_len - 2
     first = ops.verify_attention(q[:1], one, kc, vc, bt[:1], kv_lens[:1] - 2, backend="cuda")
     assert torch.equal(full[:1], first)
+
+
+# Row invariance under DSPARK_ATTN_BATCH_INVARIANT=1: (case, dtype). Contexts 0 .. ~5000 with
+# page and tile edges (63, 64, 65); chains 1 .. 40 rows (40 x group 4 = 160 packed rows: three
+# 64-row query tiles); tensor cores (head_dim 64 / 128), the CUDA-core path (float32, head_dim
+# 96) and sliding windows.
+ROW_INVARIANT_CASES = [
+    (AC((8, 1, 3, 5, 8, 2), (0, 1, 63, 64, 65, 4990), 8, 2, 128, 16), BF16),
+    (AC((8, 1, 3, 5, 8, 2), (0, 1, 63, 64, 65, 4990), 8, 2, 128, 16), F16),
+    (AC((8, 1, 3, 5, 8, 2), (0, 1, 63, 64, 65, 4990), 8, 2, 128, 16), F32),
+    (AC((40, 7, 1), (100, 2000, 5), 8, 2, 64, 32), BF16),
+    (AC((40, 7, 1), (100, 2000, 5), 8, 2, 64, 32), F16),
+    (AC((6, 4), (130, 3000), 6, 2, 96, 16), BF16),
+    (AC((8, 3, 6), (1000, 37, 5), 8, 2, 128, 16, window=100), BF16),
+    (AC((8, 3), (300, 63), 6, 2, 64, 16, window=33), F32),
+]
+
+
+def _sub_chain(args, r, a, b, cut, plan=False, **opts):
+    """Rows a .. b-1 of request r's chain (local indices) as a request of their own, its kv_len
+    cut by `cut` (the rows after b not yet in the cache), so row i keeps its position."""
+    q, cu_q, kc, vc, bt, kv_lens = args
+    lo = int(cu_q[r])
+    cu = torch.tensor([0, b - a], dtype=torch.int32, device=DEV)
+    L = kv_lens[r:r + 1] - cut
+    extra = {}
+    if plan:
+        extra["plan"] = ops.plan_verify_attention(cu, L, bt[r:r + 1], kc, h_q=q.shape[1], **opts)
+    return ops.verify_attention(q[lo + a:lo + b], cu, kc, vc, bt[r:r + 1], L, backend="cuda", **opts, **extra)
+
+
+@pytest.mark.parametrize("case,dtype", ROW_INVARIANT_CASES, ids=lambda x: str(x))
+def test_verify_attention_row_invariant(case, dtype, monkeypatch):
+    """DSPARK_ATTN_BATCH_INVARIANT=1: a row's output is bit-identical in the batch, in its
+    request's chain alone, as the last row of a shorter chain (verify width i + 1), as the first
+    row of a later chain (the rows before it committed), alone as a 1-row chain with kv_len = its
+    position + 1 (a plain decoding step), in a reordered batch and under a plan."""
+    monkeypatch.setenv("DSPARK_ATTN_BATCH_INVARIANT", "1")
+    kw = oc.attention_inputs(case, DEV, dtype)
+    args = _attention_args(kw)
+    q, cu_q, kc, vc, bt, kv_lens = args
+    opts = dict(window=case.window) if case.window else {}
+    where = oc.where(case)
+    full = ops.verify_attention(*args, backend="cuda", **opts)
+    assert not full.isnan().any(), where
+    plan = ops.plan_verify_attention(cu_q, kv_lens, bt, kc, h_q=case.h_q, **opts)
+    assert torch.equal(ops.verify_attention(*args, plan=plan, **opts), full), where
+    for r in range(case.R):
+        lo, n = int(cu_q[r]), int(cu_q[r + 1] - cu_q[r])
+        assert torch.equal(_sub_chain(args, r, 0, n, 0, **opts), full[lo:lo + n]), (r, where)
+        for i in range(n):
+            cut = n - 1 - i  # kv_len = position of row i + 1
+            head = _sub_chain(args, r, 0, i + 1, cut, **opts)
+            tail = _sub_chain(args, r, i, n, 0, **opts)
+            one = _sub_chain(args, r, i, i + 1, cut, plan=i % 2 == 1, **opts)
+            assert torch.equal(head[i], full[lo + i]), (r, i, "last of a shorter chain", where)
+            assert torch.equal(tail[0], full[lo + i]), (r, i, "first of a later chain", where)
+            assert torch.equal(one[0], full[lo + i]), (r, i, "plain decoding step", where)
+    # the requests in reverse order (and the batch without its first request)
+    order = list(range(case.R))[::-1][:max(1, case.R - 1)]
+    qs = torch.cat([q[int(cu_q[r]):int(cu_q[r + 1])] for r in order])
+    cu = [0]
+    for r in order:
+        cu.append(cu[-1] + int(cu_q[r + 1] - cu_q[r]))
+    got = ops.verify_attention(qs, torch.tensor(cu, dtype=torch.int32, device=DEV), kc, vc, bt[order],
+                               kv_lens[order], backend="cuda", **opts)
+    for j, r in enumerate(order):
+        assert torch.equal(got[cu[j]:cu[j + 1]], full[int(cu_q[r]):int(cu_q[r + 1])]), (r, where)
 
 
 def test_verify_attention_plan_in_cuda_graph():

@@ -62,6 +62,35 @@ DSPARK_ALWAYS_INLINE float Widen(float x) { return x; }
 DSPARK_ALWAYS_INLINE double Widen(double x) { return x; }
 DSPARK_ALWAYS_INLINE float Widen(uint16_t b) { return Bf16ToFloat(b); }
 
+// 16-bit storage types of kernels that take 16-bit tensors and compute in float32 (linear,
+// verify_attention): distinct types, so overloads pick the right widening.
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+DSPARK_ALWAYS_INLINE float Widen(Bf16 v) { return Bf16ToFloat(v.bits); }
+DSPARK_ALWAYS_INLINE float Widen(F16 v) {
+  _Float16 h;
+  std::memcpy(&h, &v.bits, 2);
+  return static_cast<float>(h);
+}
+
+// The arithmetic result stored as the element type, rounded to nearest even (as torch casts).
+DSPARK_ALWAYS_INLINE void Narrow(float a, float* o) { *o = a; }
+DSPARK_ALWAYS_INLINE void Narrow(double a, double* o) { *o = a; }
+DSPARK_ALWAYS_INLINE void Narrow(float a, Bf16* o) {
+  const float r = RoundToBf16(a);
+  uint32_t u;
+  std::memcpy(&u, &r, 4);
+  o->bits = static_cast<uint16_t>(u >> 16);
+}
+DSPARK_ALWAYS_INLINE void Narrow(float a, F16* o) {
+  const _Float16 h = static_cast<_Float16>(a);
+  std::memcpy(&o->bits, &h, 2);
+}
+
 // dot(a, b) accumulated in T over kLanes independent partial sums (lets the compiler use SIMD
 // without -ffast-math), then summed pairwise. Same result for the same n on every call.
 // a may be bfloat16 bits under float b (widened on load).

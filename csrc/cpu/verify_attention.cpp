@@ -9,12 +9,22 @@
 //   S^T[keys, M] = K Q^T (micro-GEMM, queries along SIMD lanes), scale and causal mask, online
 //   softmax per query column (running max and denominator, O rescaled when the max grows),
 //   O[M, head_dim] += P V (micro-GEMM); finally O / l.
-// Arithmetic is in the element type (float32 like the reference's float32 einsum/softmax,
-// float64 for float64); float32 exps use ExpF (below, ~1 ulp), so the result differs from the
-// reference by summation order and last-ulp exps only.
+// Arithmetic is in float32 (float64 for float64), like the reference's einsum/softmax: 16-bit
+// q, K and V are widened as they are read (K and V tiles into float32 copies) and the output is
+// rounded once. float32 exps use ExpF (below, ~1 ulp), so the result differs from the reference
+// by summation order and last-ulp exps only.
+//
+// Row invariance (DESIGN §6): a query column's result does not depend on the other columns of
+// its item (its chain's other rows, the other heads of its group). Key tiles are anchored to key
+// 0, never to the chain; every per-column quantity (scores, running max and denominator, P V) is
+// computed from that column's data alone in a fixed order; a tile wholly past a column's last
+// key (or before its window) leaves it unchanged exactly: its max stays, the rescale factor is
+// exp(0) = 1 and its P entries are 0. So a row computed in a chain of n equals the row computed
+// alone as a chain of one with kv_len = its position + 1, bit for bit, in every dtype.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/kernel_util.h"
@@ -102,33 +112,36 @@ DSPARK_ALWAYS_INLINE void MicroGemm(int64_t depth, const T* const* a_rows, int64
 }
 #endif
 
-template <class T>
+// S: the element type of q, the caches and out; T: the arithmetic type.
+template <class S, class T>
 DSPARK_ALWAYS_INLINE void ItemImpl(const VerifyAttentionParams& p, int64_t item) {
+  constexpr bool kWiden = !std::is_same<S, T>::value;
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const int64_t r = item / p.h_kv, kvh = item % p.h_kv;
   const int64_t lo = p.cu_q[r], n = p.cu_q[r + 1] - lo, L = p.kv_lens[r];
   if (n == 0) return;
   const int64_t hd = p.head_dim, group = p.h_q / p.h_kv, ps = p.page_size;
   const int64_t M = n * group, Mp = RoundUp(M, kCols), hdp = RoundUp(hd, kCols);
-  const T* q = static_cast<const T*>(p.q);
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  const S* q = static_cast<const S*>(p.q);
+  const S* kc = static_cast<const S*>(p.k_cache);
+  const S* vc = static_cast<const S*>(p.v_cache);
   const int32_t* table = p.block_tables + r * p.max_pages;
   const T scale = static_cast<T>(p.scale);
-  const bool pad_v = hd != hdp;  // V rows are read 64 bytes at a time: pad them in a copy
+  // V rows are read 64 bytes at a time: pad them in a copy (16-bit K and V: widened copies)
+  const bool pad_v = kWiden || hd != hdp;
 
   // Query column m = i * group + g is chain entry i, query head kvh * group + g; padded
   // columns are zero and see no key.
   std::vector<T> Qt(hd * Mp, T(0)), St(kTileKeys * Mp), O(Mp * hdp, T(0)), zero(hdp, T(0));
-  std::vector<T> Vpad(pad_v ? kTileKeys * hdp : 0, T(0));
+  std::vector<T> Vpad(pad_v ? kTileKeys * hdp : 0, T(0)), Kwide(kWiden ? kTileKeys * hd : 0);
   std::vector<T> mrow(Mp, kNegInf), lrow(Mp, T(0)), m_new(Mp), corr(Mp);
   std::vector<int64_t> last(Mp, -1);  // the last key column m may see
   std::vector<int64_t> first(Mp, 0);  // the first (a sliding window's lower edge)
   int64_t t_begin = L;                // the first key any column sees
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = m / group, h = kvh * group + m % group;
-    const T* src = q + ((lo + i) * p.h_q + h) * hd;
-    for (int64_t c = 0; c < hd; ++c) Qt[c * Mp + m] = src[c];
+    const S* src = q + ((lo + i) * p.h_q + h) * hd;
+    for (int64_t c = 0; c < hd; ++c) Qt[c * Mp + m] = Widen(src[c]);
     const int64_t pos = L - n + i;
     last[m] = p.causal ? pos : L - 1;
     if (p.window > 0) {
@@ -151,11 +164,21 @@ DSPARK_ALWAYS_INLINE void ItemImpl(const VerifyAttentionParams& p, int64_t item)
       }
       const int64_t l = t0 + t;
       const int64_t slot = (int64_t{table[l / ps]} * ps + l % ps) * p.h_kv + kvh;
-      k_rows[t] = kc + slot * hd;
-      v_rows[t] = vc + slot * hd;
+      const S* krow = kc + slot * hd;
+      const S* vrow = vc + slot * hd;
+      if constexpr (kWiden) {
+        T* kw = Kwide.data() + t * hd;
+        for (int64_t c = 0; c < hd; ++c) kw[c] = Widen(krow[c]);
+        k_rows[t] = kw;
+      } else {
+        k_rows[t] = krow;
+      }
       if (pad_v) {
-        std::copy_n(v_rows[t], hd, Vpad.data() + t * hdp);
-        v_rows[t] = Vpad.data() + t * hdp;
+        T* vp = Vpad.data() + t * hdp;
+        for (int64_t c = 0; c < hd; ++c) vp[c] = Widen(vrow[c]);
+        v_rows[t] = vp;
+      } else {
+        v_rows[t] = reinterpret_cast<const T*>(vrow);  // S == T here
       }
     }
     // S^T = K Q^T
@@ -205,19 +228,25 @@ DSPARK_ALWAYS_INLINE void ItemImpl(const VerifyAttentionParams& p, int64_t item)
     }
   }
 
-  T* out = static_cast<T*>(p.out);
+  S* out = static_cast<S*>(p.out);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = m / group, h = kvh * group + m % group;
-    T* dst = out + ((lo + i) * p.h_q + h) * hd;
+    S* dst = out + ((lo + i) * p.h_q + h) * hd;
     const T inv = T(1) / lrow[m];
-    for (int64_t c = 0; c < hd; ++c) dst[c] = O[m * hdp + c] * inv;
+    for (int64_t c = 0; c < hd; ++c) Narrow(O[m * hdp + c] * inv, dst + c);
   }
 }
 DSPARK_CPU_CLONES void Item32(const VerifyAttentionParams& p, int64_t item) {
-  ItemImpl<float>(p, item);
+  ItemImpl<float, float>(p, item);
 }
 DSPARK_CPU_CLONES void Item64(const VerifyAttentionParams& p, int64_t item) {
-  ItemImpl<double>(p, item);
+  ItemImpl<double, double>(p, item);
+}
+DSPARK_CPU_CLONES void ItemBf16(const VerifyAttentionParams& p, int64_t item) {
+  ItemImpl<Bf16, float>(p, item);
+}
+DSPARK_CPU_CLONES void ItemF16(const VerifyAttentionParams& p, int64_t item) {
+  ItemImpl<F16, float>(p, item);
 }
 
 Status Validate(const VerifyAttentionParams& p) {
@@ -225,7 +254,7 @@ Status Validate(const VerifyAttentionParams& p) {
       p.num_pages < 0 || p.max_pages < 0 || p.window < 0) {
     return Status::kBadArgument;
   }
-  if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat64) return Status::kUnsupported;
+
   if (p.R == 0) return Status::kOk;
   if (!p.cu_q || !p.kv_lens || p.cu_q[0] != 0) return Status::kBadArgument;
   int64_t N = 0;
@@ -260,10 +289,11 @@ Status VerifyAttentionCpu(const VerifyAttentionParams& p) {
   int64_t macs = 0;  // fan out only when the work dwarfs a fork/join (a few microseconds)
   for (int64_t r = 0; r < p.R; ++r) macs += int64_t{p.cu_q[r + 1] - p.cu_q[r]} * p.kv_lens[r];
   const bool par = macs * p.h_q * p.head_dim > (1 << 18);
-  if (p.dtype == DType::kFloat64) {
-    ParallelFor(items, par, [&](int64_t i) { Item64(p, i); });
-  } else {
-    ParallelFor(items, par, [&](int64_t i) { Item32(p, i); });
+  switch (p.dtype) {
+    case DType::kFloat64: ParallelFor(items, par, [&](int64_t i) { Item64(p, i); }); break;
+    case DType::kBFloat16: ParallelFor(items, par, [&](int64_t i) { ItemBf16(p, i); }); break;
+    case DType::kFloat16: ParallelFor(items, par, [&](int64_t i) { ItemF16(p, i); }); break;
+    default: ParallelFor(items, par, [&](int64_t i) { Item32(p, i); }); break;
   }
   return Status::kOk;
 }

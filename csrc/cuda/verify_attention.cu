@@ -32,12 +32,45 @@
 // then fails that request alone. Every work item scans its request's used entries (4 bytes
 // per page against the page's K/V, at least 2 KB: noise).
 //
-// Batch invariance: the split-KV factor depends on the whole batch (step 1), so a request's
-// 16-bit result can move by an ulp when other requests join. p.batch_invariant never splits:
-// a row then accumulates its keys tile by tile in one fixed order, whatever the batch and the
-// chain length (fully masked tiles, and those a window skips, change nothing), at the cost of
-// fewer blocks for long contexts at small batch. (A fixed split size would also do, but its
-// partial slots depend on the device's kv_lens, which the host-sized plan buffers cannot bound.)
+// NOTE: row and batch invariance (DESIGN §6). What a query row's output depends on besides its
+// own q, its request's K/V up to its position and its window, checked path by path:
+//   * Path choice (tensor cores or CUDA cores) follows the dtype, head_dim and the 16-byte
+//     alignment of q, k_cache, v_cache and out: nothing about rows. (A row slice of a
+//     contiguous q of head_dim 64 / 128 keeps the alignment; an `out` view that breaks it would
+//     move the whole call to the CUDA-core path, whose bits differ.) No path is chosen by n_q.
+//   * Split-KV (default mode): the split factor follows the whole batch (step 1), and an
+//     item's split boundaries cut ITS tile range, which ends at the last row of its query tile:
+//     a row's partial sums then depend on the batch and on the chain length (n_q). Neither row-
+//     nor batch-invariant: the same row alone, or in a smaller batch, may be split differently.
+//   * p.batch_invariant never splits. A row then runs, on either path, a sequence that is a
+//     function of its own position alone:
+//     - tensor cores: KV tiles of 64 keys anchored to key 0 (tile t = keys 64t .. 64t + 63;
+//       with a window the first tile is floor(lo / 64) of the tile's first row, still a
+//       multiple of 64), taken in order. Tiles of the item past the row's last key (later chain
+//       rows' keys, up to the query tile's last row) are fully masked for the row: m stays, the
+//       rescale is exp2(0) = 1, P = 0, so l and O are unchanged (0 * V = 0 for finite V);
+//       tiles wholly before a windowed row's first key leave m = -inf, l = O = 0, as if absent.
+//       Within a tile the row's scores, max, P (rounded to 16 bits for P V), row sum and
+//       rescaling are per-row values: an mma output element reads its own A row only, the
+//       quad shuffles reduce within the row, and m / l are float32 per row. Which other rows
+//       (its chain's, or zero padding) share the 64-row query tile, and where the row sits in
+//       it (warp, lane, packed GQA index), changes nothing. Rows of different requests never
+//       share a tile.
+//       The score is formed with __fmul_rn: whether a warp's tile takes the masking branch
+//       depends on the other rows of the warp (hi_min_warp, key_hi), and a plain multiply
+//       could be contracted into the exp2 argument's subtraction on one branch and not on the
+//       other (the PTX today keeps them apart; the intrinsic makes it a guarantee).
+//     - CUDA cores: a warp per (query, head) walks its own visible keys [KeyLo(pos), pos + 1)
+//       in 32-key chunks anchored at its own first key; nothing is shared between rows.
+//     So under p.batch_invariant a causal row's result is bit-identical to computing it alone
+//     as a 1-row chain with kv_len = its position + 1, and independent of the batch. (A fixed
+//     split size would also do, but its partial slots depend on the device's kv_lens, which
+//     the host-sized plan buffers cannot bound.)
+//   Limits: (1) a planned call (p.work) runs the plan's splits whatever p.batch_invariant says:
+//   the plan must be made in the same mode (VerifyAttentionPlanCuda reads p.batch_invariant).
+//   (2) K/V must be finite: a non-finite V of a later chain key meets P = 0 in a shared tile
+//   and gives NaN (0 * inf), as the reference's softmax(s) @ v does. (3) Bidirectional rows
+//   see the whole chain by definition; batch invariance still holds for them.
 #include "verify_attention.h"
 
 #include <algorithm>
@@ -436,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
         for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float v = acc[nt][e] * a.scale_log2;
+            float v = __fmul_rn(acc[nt][e], a.scale_log2);  // never contracted: see the NOTE
             if (need_mask) {
               const int key = kb + nt * 8 + 2 * t + (e & 1);
               const int lo = e < 2 ? lo0 : lo1, hi = e < 2 ? hi0 : hi1;

@@ -1,8 +1,9 @@
 """The Qwen3 / Llama target in plain PyTorch over the paged KV cache (DESIGN §2 step 5, §3).
 
 Numerics follow transformers: RMSNorm normalises in float32 and scales in the model dtype, rotary
-tables are formed in float32 and cast, projections run in the model dtype, the attention softmax
-runs inside ops.verify_attention. A float64 model computes everything in float64 (tests).
+tables are formed in float32 and cast, projections run in the model dtype (accumulated in
+float32; under ops.exact_mode through the row-invariant ops.linear), the attention softmax runs
+inside ops.verify_attention. A float64 model computes everything in float64 (tests).
 The building blocks here (RMSNorm, Rotary, DecoderLayer) are shared with the drafter.
 """
 import math
@@ -16,6 +17,7 @@ from ..checkpoint.tensors import Checkpoint, resolve_dtype, target_specs
 from ..checkpoint.config import TargetConfig
 from .kv_cache import PagedKVCache
 from .batch import AttnMeta
+from .linear import Linear, project
 
 __all__ = ["Qwen3Model", "RMSNorm", "Rotary", "DecoderLayer", "apply_rope", "rope_inv_freq",
            "pick_dtype", "acc_dtype"]
@@ -96,10 +98,10 @@ class Attention(nn.Module):
         super().__init__()
         d, self.h_q, self.h_kv, self.head_dim = (cfg.hidden_size, cfg.num_attention_heads,
                                                  cfg.num_key_value_heads, cfg.head_dim)
-        self.q_proj = nn.Linear(d, self.h_q * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.h_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.h_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.h_q * self.head_dim, d, bias=False)
+        self.q_proj = Linear(d, self.h_q * self.head_dim)
+        self.k_proj = Linear(d, self.h_kv * self.head_dim)
+        self.v_proj = Linear(d, self.h_kv * self.head_dim)
+        self.o_proj = Linear(self.h_q * self.head_dim, d)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -129,9 +131,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         d, inter = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, inter, bias=False)
-        self.up_proj = nn.Linear(d, inter, bias=False)
-        self.down_proj = nn.Linear(inter, d, bias=False)
+        self.gate_proj = Linear(d, inter)
+        self.up_proj = Linear(d, inter)
+        self.down_proj = Linear(inter, d)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -211,7 +213,7 @@ class Qwen3Model(nn.Module):
         (float64 models: float64). The product runs in the model dtype, as in transformers, so
         dtype = the model's own is the product as it is (no cast)."""
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden.to(w.dtype), w).to(dtype or acc_dtype(w.dtype))
+        return project(hidden.to(w.dtype), w).to(dtype or acc_dtype(w.dtype))
 
     @torch.no_grad()
     def forward(self, input_ids, positions, meta: AttnMeta, cache: PagedKVCache,

@@ -10,6 +10,7 @@ pair a kernel lacks, as any dtype a kernel lacks does.
 verify_attention follows FlashInfer's plan/run: plan_verify_attention once per forward, then
 every layer's verify_attention(..., plan=plan).
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ try:
 except ImportError:  # the package can be imported (and tested) without the extension
     _C = None
 
-__all__ = ["markov_sample", "rejection_sample", "prefix_topk", "verify_attention", "append_kv",
+__all__ = ["linear", "exact_mode", "markov_sample", "rejection_sample", "prefix_topk", "verify_attention", "append_kv",
            "plan_verify_attention", "VerifyAttentionPlan", "OpError",
            "available_backends", "HEADS"]
 
@@ -51,9 +52,11 @@ def _available() -> tuple:
 _AVAILABLE = _available()
 
 
-def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
+def _backend(op, device: torch.device, backend, dtype, arg="dtype", dtypes=None):
     """The requested backend, or by default the fastest one that takes this device and dtype
-    (a bf16 model on the CPU runs the reference ops: the C++ kernels take float32/float64)."""
+    (most C++ kernels take float32/float64 only: a bf16 call of those runs the reference).
+    dtypes: the op's backend -> float dtypes map, when it is not _float_dtypes."""
+    dtypes = dtypes or _float_dtypes
     if backend is None:
         forced = os.environ.get("DSPARK_BACKEND")
         if forced:
@@ -61,7 +64,7 @@ def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
         else:
             backend = "cuda" if device.type == "cuda" else "cpp"
             if backend not in available_backends() or (dtype is not None and
-                                                        dtype not in _float_dtypes(backend)):
+                                                        dtype not in dtypes(backend)):
                 backend = "reference"
     if backend not in ("reference", "cpp", "cuda"):
         fail(op, f"backend must be 'reference', 'cpp' or 'cuda', got {backend!r}")
@@ -69,9 +72,9 @@ def _backend(op, device: torch.device, backend, dtype, arg="dtype"):
         fail(op, f"backend {backend!r} is not available in this build ({available_backends()})")
     if backend != "reference" and (backend == "cuda") != (device.type == "cuda"):
         fail(op, f"backend {backend!r} cannot run tensors on {device}")
-    if dtype is not None and dtype not in _float_dtypes(backend):
+    if dtype is not None and dtype not in dtypes(backend):
         fail(op, f"{arg} dtype {dtype} is not supported by backend {backend!r} "
-                 f"(it takes {[str(d) for d in _float_dtypes(backend)]})")
+                 f"(it takes {[str(d) for d in dtypes(backend)]})")
     return backend
 
 
@@ -180,6 +183,11 @@ def _float_dtypes(backend):
     if backend == "reference":
         return (*_CPU_DTYPES, torch.float16, torch.bfloat16)
     return _CUDA_DTYPES if backend == "cuda" else _CPU_DTYPES
+
+
+def _all_float_dtypes(backend):
+    """The dtypes of ops whose C++ kernel also takes 16-bit inputs (linear, verify_attention)."""
+    return _CUDA_DTYPES if backend == "cuda" else (*_CPU_DTYPES, torch.float16, torch.bfloat16)
 
 
 def _run(op_name, params, backend, device):
@@ -419,6 +427,7 @@ class VerifyAttentionPlan:
     dtype: torch.dtype
     causal: bool
     window: int = 0
+    batch_invariant: bool = False  # the split mode it was planned in (CUDA)
     work: torch.Tensor | None = None      # int32 [4 (R + 1)] item_off | split | slot_off | merge_off
     part_o: torch.Tensor | None = None    # float32 [slots, 64, head_dim]
     part_lse: torch.Tensor | None = None  # float32 [slots, 64]
@@ -458,20 +467,35 @@ def _window(op, window) -> int:
     return window
 
 
-def _attention_params(R, h_q, k_cache, dtype, causal, window=0):
+def _attention_params(R, h_q, k_cache, dtype, causal, window=0, batch_invariant=None):
     num_pages, page_size, h_kv, hd = k_cache.shape
     p = _C.VerifyAttentionParams()
     p.R, p.h_q, p.h_kv, p.head_dim = R, h_q, h_kv, hd
     p.page_size, p.num_pages = page_size, num_pages
     p.dtype, p.causal, p.window = _DTYPE_CODE[dtype], bool(causal), window
-    p.batch_invariant = _batch_invariant()
+    p.batch_invariant = (_batch_invariant(k_cache.device) if batch_invariant is None
+                         else batch_invariant)
     return p
 
 
-def _batch_invariant():
-    """DSPARK_ATTN_BATCH_INVARIANT=1: verify_attention never splits the KV range on CUDA, so a
-    request's result is bit-identical whatever else is in the batch (greedy-equality runs)."""
-    return os.environ.get("DSPARK_ATTN_BATCH_INVARIANT", "0") not in ("", "0")
+def exact_mode(device) -> bool:
+    """Whether the target's forward on `device` runs row-invariant (DESIGN §6): ops.linear for
+    every projection and verify_attention without batch-dependent splits, so speculative greedy
+    output equals plain greedy output bit for bit in every dtype. DSPARK_EXACT=1 / 0 forces it;
+    by default on for the CPU (where it is measured no slower) and off on CUDA until a GPU run
+    has measured its cost (README, "Exactness")."""
+    env = os.environ.get("DSPARK_EXACT", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"DSPARK_EXACT must be 0 or 1, got {env!r}")
+    return env == "1" if env else torch.device(device).type == "cpu"
+
+
+def _batch_invariant(device):
+    """verify_attention never splits the KV range on CUDA, so a request's result is
+    bit-identical whatever else is in the batch and however many rows its chain has: under
+    exact mode, or DSPARK_ATTN_BATCH_INVARIANT=1."""
+    return (os.environ.get("DSPARK_ATTN_BATCH_INVARIANT", "0") not in ("", "0")
+            or exact_mode(device))
 
 
 def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=True, window=0,
@@ -487,17 +511,19 @@ def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=T
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         fail(op, "k_cache must be a [num_pages, page_size, h_kv, head_dim] tensor")
     dev, fdt = k_cache.device, k_cache.dtype
-    be = _backend(op, dev, backend, fdt, "k_cache")
+    be = _backend(op, dev, backend, fdt, "k_cache", _all_float_dtypes)
     h_kv = k_cache.shape[2]
     if not isinstance(h_q, int) or h_kv == 0 or h_q < 1 or h_q % h_kv:
         fail(op, f"h_q={h_q!r} must be a positive multiple of h_kv={h_kv}")
     window = _window(op, window)
     cu_q, kv_lens, block_tables = _attention_meta(op, cu_q, kv_lens, block_tables, k_cache, None, dev)
+    invariant = _batch_invariant(dev)
     plan = dict(backend=be, cu_q=cu_q, kv_lens=kv_lens, block_tables=block_tables, h_q=h_q,
-                k_shape=tuple(k_cache.shape), dtype=fdt, causal=bool(causal), window=window)
+                k_shape=tuple(k_cache.shape), dtype=fdt, causal=bool(causal), window=window,
+                batch_invariant=invariant)
     if be == "cuda":
         R, hd = cu_q.shape[0] - 1, k_cache.shape[3]
-        p = _attention_params(R, h_q, k_cache, fdt, causal, window)
+        p = _attention_params(R, h_q, k_cache, fdt, causal, window, invariant)
         p.max_pages = block_tables.shape[1]
         p.cu_q, p.kv_lens = _ptr(cu_q), _ptr(kv_lens)
         stream = torch.cuda.current_stream(dev).cuda_stream
@@ -526,6 +552,9 @@ def _check_plan(op, plan, be, cu_q, kv_lens, block_tables, h_q, k_cache, causal,
     if got != want:
         fail(op, f"plan was made for (backend, h_q, k_cache shape, dtype, causal, window) = {want}, "
                  f"this call has {got}")
+    if plan.batch_invariant != _batch_invariant(k_cache.device):
+        fail(op, f"plan was made with batch_invariant={plan.batch_invariant}, but DSPARK_EXACT / "
+                 f"DSPARK_ATTN_BATCH_INVARIANT now say {not plan.batch_invariant}: plan again")
 
 
 def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal=True,
@@ -536,10 +565,11 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     it unwritten).
     Bad metadata: on host tensors an OpError (block-table entries outside the cache included);
     on device tensors an OpError under DSPARK_CHECK_OPS=1, else NaN rows for the bad request.
-    Batch invariance: on CUDA the split-KV factor is chosen for the whole batch (to fill the
-    GPU), so a request's 16-bit output may differ by an ulp when other requests join or leave;
-    DSPARK_ATTN_BATCH_INVARIANT=1 never splits (results depend on the request alone; slower for
-    long contexts at small batch). The CPU kernel is batch-invariant.
+    Row invariance: the cpp kernel gives a row the same bits whatever else shares the call (its
+    chain's other rows, other requests). On CUDA the split-KV factor is chosen for the whole
+    batch (to fill the GPU), so a 16-bit row may move by an ulp with its company; under
+    exact_mode() or DSPARK_ATTN_BATCH_INVARIANT=1 it never splits and is row-invariant too
+    (slower for long contexts at small batch). The reference is not (torch's float32 einsum).
     plan: plan_verify_attention's for this batch (None: the call plans itself; same result).
     out: a contiguous [N, h_q, head_dim] tensor of q's dtype to write (and return) instead of a
     new one. window > 0: a sliding layer's window (see the reference)."""
@@ -549,7 +579,7 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     dev = q.device
     fdt = q.dtype
     be = plan.backend if isinstance(plan, VerifyAttentionPlan) and backend is None else backend
-    be = _backend(op, dev, be, fdt, "q")
+    be = _backend(op, dev, be, fdt, "q", _all_float_dtypes)
     window = _window(op, window)
     q = q.contiguous()
     N, h_q, hd = q.shape
@@ -589,6 +619,41 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
         p.work, p.part_o, p.part_lse = _ptr(plan.work), _ptr(plan.part_o), _ptr(plan.part_lse)
         p.plan_slots = plan.part_o.shape[0]
     _run("verify_attention", p, be, dev)
+    return out
+
+
+def linear(x, w, *, out=None, backend=None):
+    """out = x @ w.T, row-invariant: x [..., K], w [N, K] (nn.Linear's weight), both of one
+    float dtype; returns [..., N] in that dtype, accumulated in float32 (float64 for float64)
+    and rounded once. On the cpp and cuda backends every output element is summed in one order
+    fixed by K alone, so a row gives the same bits whatever other rows share the call (the
+    reference, torch's own GEMM, does not promise that). out: a contiguous [..., N] tensor to
+    write instead of a new one."""
+    op = "linear"
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        fail(op, "x must be a [..., K] tensor")
+    dev, fdt = x.device, x.dtype
+    be = _backend(op, dev, backend, fdt, "x", _all_float_dtypes)
+    w = tensor(op, "w", w, dtype=fdt, ndim=2, device=dev)
+    N, K = w.shape
+    if x.shape[-1] != K:
+        fail(op, f"x must have K={K} columns (w is {tuple(w.shape)}), got shape {tuple(x.shape)}")
+    lead = tuple(x.shape[:-1])
+    if out is not None:
+        if isinstance(out, torch.Tensor) and not out.is_contiguous():
+            fail(op, "out must be contiguous (it is written in place)")
+        out = tensor(op, "out", out, dtype=fdt, shape=(*lead, N), device=dev)
+    if be == "reference":
+        res = reference.linear(x, w)
+        return res if out is None else out.copy_(res)
+    x2 = x.reshape(math.prod(lead), K).contiguous()
+    out = torch.empty((*lead, N), dtype=fdt, device=dev) if out is None else out
+    p = _C.LinearParams()
+    p.M, p.N, p.K = x2.shape[0], N, K
+    p.ldx, p.ldw, p.ldo = K, K, N
+    p.dtype = _DTYPE_CODE[fdt]
+    p.x, p.w, p.out = _ptr(x2), _ptr(w), _ptr(out)
+    _run(op, p, be, dev)
     return out
 
 

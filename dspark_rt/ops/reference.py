@@ -285,6 +285,13 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, causal: b
     return out
 
 
+def linear(x, w):
+    """x [..., K] @ w[N, K].T -> [..., N] in x's dtype, formed in float64 for float64 inputs and
+    float32 otherwise (one rounding to the output dtype)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.nn.functional.linear(x.to(acc), w.to(acc)).to(x.dtype)
+
+
 def append_kv(k, v, k_cache, v_cache, slot_mapping):
     """Writes new tokens' K/V into their cache slots, in place (DESIGN §5).
 

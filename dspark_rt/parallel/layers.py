@@ -22,6 +22,7 @@ from ..checkpoint import CheckpointError, DrafterConfig, TargetConfig
 from ..models.dflash2 import DFlash2Drafter
 from ..models.drafter import Drafter
 from ..models.kv_cache import PagedKVCache
+from ..models.linear import project
 from ..models.qwen3 import Qwen3Model, acc_dtype
 from .comm import TPGroup
 from .shard import Shard
@@ -71,7 +72,7 @@ class ShardedQwen3(Qwen3Model):
 
     def lm_head(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        logits = self.group.gather_last(F.linear(hidden.to(w.dtype), w))
+        logits = self.group.gather_last(project(hidden.to(w.dtype), w))
         V = self.config.vocab_size
         if logits.shape[-1] != V:  # the last shard's padding rows
             logits = logits[..., :V].contiguous()
