@@ -2,6 +2,7 @@
 (huge numbers, out-of-vocabulary stop ids, unknown routes, oversized bodies), no filesystem path
 reaches a client, a client that hangs up leaves no traceback in the log, and a dead engine or
 tensor-parallel worker shows on /health and answers 503."""
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -39,3 +40,22 @@ def _openai_error(r, status, param=None) -> dict:
 @pytest.mark.parametrize("field", ["temperature", "top_p", "seed"])  # top_k, max_tokens: capped
 def test_huge_integers_name_the_field(server, field):
     _openai_error(_post(server, {"prompt": "x", field: 10**400}), 400, field)
+
+
+def test_out_of_vocabulary_stop_token_ids_name_the_field(server):
+    _openai_error(_post(server, {"prompt": "x", "stop_token_ids": [10**6]}), 400, "stop_token_ids")
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/nope", 404), ("POST", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+    ("DELETE", "/v1/models", 405)])
+def test_unknown_routes_and_methods_are_openai_errors(server, method, path, status):
+    _openai_error(httpx.request(method, server.url + path), status)
+
+
+def test_a_server_bug_is_a_500_openai_error_without_details(server, monkeypatch):
+    async def submit(prompt, params):
+        raise RuntimeError("secret detail at /opt/models/x")
+    monkeypatch.setattr(server.state.loop, "submit", submit)
+    err = _openai_error(_post(server, {"prompt": "x"}), 500)
+    assert "secret" not in err["message"] and "/opt" not in err["message"]

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from .engine_loop import EngineLoop
 from .metrics import Metrics
@@ -67,7 +68,15 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(request, e: APIError):
         return _error(e)
 
+    async def http_error(request, e: HTTPException):  # unknown route (404), method (405)
+        return _error(APIError(e.status_code, str(e.detail), headers=e.headers))
+
+    async def server_error(request, e: Exception):  # a bug: logged by uvicorn, never shown
+        return _error(APIError(500, "internal server error (see the server log)"))
+
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
 
     @app.get("/health")
     async def health():

@@ -152,8 +152,9 @@ class EngineLoop:
             req = self.engine.make_request(sub.prompt, sub.params)
             self.engine.add(req)
         except ValueError as e:  # the prompt does not fit the model (length, token ids)
-            msg = str(e).removeprefix("request 0: ")
-            return _post(sub.loop, _resolve, sub.started, APIError(400, msg, "prompt"))
+            msg = str(e).removeprefix("request 0: ").replace("SamplingParams.", "")
+            param = next((f for f in ("stop_token_ids", "stop") if msg.startswith(f)), "prompt")
+            return _post(sub.loop, _resolve, sub.started, APIError(400, msg, param))
         except Exception as e:  # noqa: BLE001 - a bug must not take the engine thread down
             log.exception("adding a request failed")
             return _post(sub.loop, _resolve, sub.started,

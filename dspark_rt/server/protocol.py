@@ -13,10 +13,10 @@ from ..sampling_params import SamplingParams
 
 
 class APIError(Exception):
-    """status: 400 (bad field), 404 (unknown model), 503 (queue full), 500 (engine failure)."""
+    """status: 400 (bad field), 404 (unknown model or route), 405, 413 (body too large),
+    503 (queue full, engine down), 500 (engine failure)."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded",
-             500: "server_error"}
+    TYPES = {404: "not_found_error", 503: "server_overloaded"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  headers: dict | None = None):
@@ -24,7 +24,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, default),
                           "param": self.param, "code": self.status}}
 
 
