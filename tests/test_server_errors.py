@@ -59,3 +59,12 @@ def test_a_server_bug_is_a_500_openai_error_without_details(server, monkeypatch)
     monkeypatch.setattr(server.state.loop, "submit", submit)
     err = _openai_error(_post(server, {"prompt": "x"}), 500)
     assert "secret" not in err["message"] and "/opt" not in err["message"]
+
+
+def test_refused_chat_role_shows_no_path(server):
+    from pathlib import Path
+    err = _openai_error(_post(server, {"messages": [{"role": "bogus", "content": "hi"}]},
+                              "chat/completions"), 400, "messages")
+    assert "bogus" in err["message"]  # the template's own words stay
+    for leak in (TARGET, str(Path(TARGET).resolve()), "tokenizer_config", "Traceback", "/"):
+        assert leak not in err["message"], err

@@ -9,6 +9,8 @@ gets something other than what it asked for.
 import re
 from dataclasses import dataclass
 
+from ..checkpoint.config import CheckpointError
+from ..checkpoint.tokenizer import ChatTemplateError
 from ..sampling_params import SamplingParams
 
 
@@ -218,8 +220,11 @@ def parse_chat(body, *, default_model: str, tokenizer, max_model_len: int) -> Ge
         raise bad("messages", "chat needs a tokenizer and chat template in the target folder")
     try:
         prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-    except Exception as e:  # a template may raise on roles it does not know
-        raise bad("messages", f"the chat template refused them: {e}") from None
+    except ChatTemplateError as e:  # a template may raise on roles it does not know
+        # its own words only: the message names the template's file on this machine
+        raise bad("messages", f"the chat template refused them: {e.detail}") from None
+    except CheckpointError:  # no template (the message names the folder)
+        raise bad("messages", "chat needs a chat template in the target folder") from None
     stream, usage = _stream(body)
     # without max_tokens a chat answer runs to a stop token or the end of the context
     return GenRequest("chat", _model(body, default_model), prompt,
