@@ -2,6 +2,8 @@
 (huge numbers, out-of-vocabulary stop ids, unknown routes, oversized bodies), no filesystem path
 reaches a client, a client that hangs up leaves no traceback in the log, and a dead engine or
 tensor-parallel worker shows on /health and answers 503."""
+import logging
+import time
 
 import pytest
 
@@ -10,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from dspark_rt.tools.serve import build_state  # noqa: E402
-from tests.test_server import DRAFTER, MODEL, TARGET, _Server  # noqa: E402
+from tests.test_server import DRAFTER, MODEL, PROMPTS, TARGET, _pages_back, _Server  # noqa: E402
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -23,8 +25,8 @@ def server():
     srv.stop()
 
 
-def _post(server, body, path="completions", **kw):
-    return httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60, **kw)
+def _post(server, body, path="completions", timeout=60):
+    return httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=timeout)
 
 
 def _openai_error(r, status, param=None) -> dict:
@@ -68,3 +70,31 @@ def test_refused_chat_role_shows_no_path(server):
     assert "bogus" in err["message"]  # the template's own words stay
     for leak in (TARGET, str(Path(TARGET).resolve()), "tokenizer_config", "Traceback", "/"):
         assert leak not in err["message"], err
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_whole_response_disconnect_is_quiet(server):
+    """A non-streamed request given up on: aborted, pages back, and nothing logged as an error."""
+    seen = _Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "dspark_rt.server.engine_loop")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            _post(server, body, timeout=httpx.Timeout(60, read=0.5))
+        assert _pages_back(server.state), "an abandoned request kept its pages"
+        time.sleep(0.5)  # the handler finishes after the abort
+    finally:
+        for lg in loggers:
+            lg.removeHandler(seen)
+    bad = [r.getMessage() for r in seen.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not bad, bad

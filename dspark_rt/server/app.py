@@ -130,9 +130,9 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
     finally:
         watch.cancel()
         if not collect.done():  # the client went away (or this handler was cancelled)
-            collect.cancel()
+            collect.cancel()    # takes effect at collect's next await: it is not done yet
             state.loop.abort(sub)
-    if collect.cancelled():
+    if not collect.done() or collect.cancelled():
         return Response(status_code=499)  # nobody reads it
     ev = collect.result()
     if ev.error is not None or ev.output is None:
