@@ -72,6 +72,23 @@ def test_refused_chat_role_shows_no_path(server):
         assert leak not in err["message"], err
 
 
+def test_body_over_the_limit_is_413(server):
+    state = server.state
+    old, state.max_body_bytes = state.max_body_bytes, 2000
+    try:
+        big = {"prompt": "x" * 3000, "max_tokens": 1}
+        _openai_error(_post(server, big), 413)
+        # no Content-Length (chunked): counted while reading
+        raw = httpx.post(server.url + "/v1/completions", timeout=60,
+                         content=(b"x" * 500 for _ in range(10)),
+                         headers={"content-type": "application/json"})
+        assert "content-length" not in raw.request.headers
+        _openai_error(raw, 413)
+        assert _post(server, {"prompt": "x" * 100, "max_tokens": 1}).status_code == 200
+    finally:
+        state.max_body_bytes = old
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)

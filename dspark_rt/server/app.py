@@ -21,13 +21,19 @@ from .protocol import APIError, GenRequest, parse_chat, parse_completion
 from .responses import DONE, Body, spec_metrics, sse
 
 
+MAX_BODY_BYTES = 16 * 2**20  # a 131k-token prompt is ~1 MB of JSON
+
+
 class ServerState:
     """engine: the engine.Engine the server steps (sized by the caller); tokenizer: the target's
-    (chat template, text); model_name: the served name; max_model_len: the target's context."""
+    (chat template, text); model_name: the served name; max_model_len: the target's context;
+    max_waiting: see EngineLoop; max_body_bytes: the request body limit (default 16 MiB)."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, *,
-                 max_waiting: int = 1024):
+                 max_waiting: int = 1024, max_body_bytes: int | None = None):
         self.engine, self.tokenizer = engine, tokenizer
+        # larger request bodies get 413, unread
+        self.max_body_bytes = max_body_bytes or MAX_BODY_BYTES
         self.model_name, self.max_model_len = model_name, max_model_len
         self.metrics = Metrics(model_name, engine.runner.gamma)
         self.loop = EngineLoop(engine, self.metrics, max_waiting=max_waiting)
@@ -38,8 +44,19 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _json(request: Request):
-    raw = await request.body()
+async def _json(request: Request, limit: int):
+    """The body as JSON; APIError 413 once it is larger than limit bytes (told by its
+    Content-Length, or counted while reading a chunked one), before it is all in memory."""
+    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} "
+                         "bytes (--max-body-bytes)")
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise too_large
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise too_large
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -97,12 +114,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
+        body = await _json(request, state.max_body_bytes)
         return await _generate(state, request, parse_completion(body, default_model=state.model_name))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _json(request)
+        body = await _json(request, state.max_body_bytes)
         g = parse_chat(body, default_model=state.model_name, tokenizer=state.tokenizer,
                        max_model_len=state.max_model_len)
         return await _generate(state, request, g)

@@ -66,6 +66,9 @@ class EngineLoop:
     requests that may wait for a batch slot (queued or not yet added) before new ones get 503."""
 
     def __init__(self, engine, metrics=None, *, max_waiting: int = 1024):
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be an int >= 1 (0 would refuse every request), "
+                             f"got {max_waiting!r}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Submission]] = []
