@@ -11,6 +11,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from dspark_rt.parallel import WorkerError  # noqa: E402
 from dspark_rt.tools.serve import build_state  # noqa: E402
 from tests.test_server import DRAFTER, MODEL, PROMPTS, TARGET, _pages_back, _Server  # noqa: E402
 
@@ -115,3 +116,64 @@ def test_whole_response_disconnect_is_quiet(server):
             lg.removeHandler(seen)
     bad = [r.getMessage() for r in seen.records if r.levelno >= logging.WARNING or r.exc_info]
     assert not bad, bad
+
+
+# -- a dead engine ---------------------------------------------------------------------------
+
+@pytest.fixture
+def own_server():
+    srv = _Server(build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=4,
+                              dtype="float32"))
+    yield srv
+    srv.stop()
+
+
+def _is_down(server, match):
+    h = httpx.get(server.url + "/health", timeout=10)
+    assert match in _openai_error(h, 503)["message"]
+    r = _post(server, {"prompt": "x", "max_tokens": 2}, timeout=10)
+    assert match in _openai_error(r, 503)["message"]
+
+
+def test_worker_error_takes_the_server_down(own_server):
+    eng = own_server.state.engine
+
+    def step():
+        raise WorkerError("tensor-parallel worker rank 1 (pid 4242) exited with code -9; the "
+                          "group is shut down")
+    eng.step = step
+    r = _post(own_server, {"prompt": "x", "max_tokens": 2})  # in flight when the worker died
+    assert "rank 1" in _openai_error(r, 503)["message"]
+    _is_down(own_server, "rank 1")
+
+
+def test_dead_engine_thread_takes_the_server_down(own_server):
+    eng = own_server.state.engine
+
+    def broken():
+        raise RuntimeError("boom")
+    eng.has_unfinished = broken
+    r = _post(own_server, {"prompt": "x", "max_tokens": 2}, timeout=10)  # wakes it: it dies
+    assert "engine" in _openai_error(r, 503)["message"]
+    _is_down(own_server, "engine")
+
+
+def test_killed_tensor_parallel_worker_takes_the_server_down(tiny_target, tiny_drafters):
+    """A real 2-rank CPU group: a worker killed while the server idles shows on /health at once,
+    and requests get 503 naming it instead of a 500 each, forever."""
+    from tests.tp_support import stop_all
+    stop_all()
+    state = build_state(tiny_target, tiny_drafters("vanilla", 4), mode="dspark", dtype="float64",
+                        served_model_name=MODEL, max_num_seqs=2, tensor_parallel_size=2)
+    tp = state.engine.runner.tensor_parallel
+    srv = _Server(state)
+    try:
+        r = _post(srv, {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert httpx.get(srv.url + "/health").status_code == 200
+        tp.procs[0].kill()
+        tp.procs[0].wait()
+        _is_down(srv, "rank 1")
+    finally:
+        srv.stop()
+        tp.shutdown()

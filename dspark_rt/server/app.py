@@ -97,8 +97,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not state.loop.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        why = state.loop.down()
+        if why is not None:
+            return _error(APIError(503, f"the engine is down: {why}", type_="service_unavailable"))
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -153,8 +154,14 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
         return Response(status_code=499)  # nobody reads it
     ev = collect.result()
     if ev.error is not None or ev.output is None:
-        raise APIError(500, ev.error or "the request was dropped")
+        raise _failed(ev)
     return body.full(ev.output)
+
+
+def _failed(ev) -> APIError:
+    """The error of a request the engine failed (500) or could not finish: it is down (503)."""
+    return APIError(ev.status, ev.error or "the request was dropped",
+                    type_="service_unavailable" if ev.status == 503 else None)
 
 
 async def _collect(state: ServerState, sub):
@@ -185,7 +192,7 @@ async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
                 yield sse(chunk)
         out = ev.output
         if ev.error is not None or out is None:
-            yield sse(APIError(500, ev.error or "the request was dropped").body())
+            yield sse(_failed(ev).body())
         else:
             state.metrics.latency(sub.arrival, first, time.monotonic(), len(out.token_ids))
             last = body.last(ev.new_token_ids, ev.logprobs, out)

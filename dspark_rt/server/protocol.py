@@ -21,13 +21,15 @@ class APIError(Exception):
     TYPES = {404: "not_found_error", 503: "server_overloaded"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+        self.type = type_
 
     def body(self) -> dict:
         default = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, default),
+        kind = self.type or self.TYPES.get(self.status, default)
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.status}}
 
 
