@@ -18,7 +18,12 @@ __all__ = ["Tokenizer", "ChatTemplateError", "IncrementalText"]
 
 
 class ChatTemplateError(ValueError):
-    """The template called raise_exception(...) or failed to render."""
+    """The template called raise_exception(...) or failed to render. detail: the template's own
+    words, without the file it came from (what a server may show its clients)."""
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(message)
+        self.detail = message if detail is None else detail
 
 
 # Rendering work is bounded: a template (or the messages it is given) must not hang the process
@@ -171,13 +176,11 @@ class Tokenizer:
                     raise ChatTemplateError(f"the rendered text exceeds {_MAX_OUTPUT_CHARS} characters")
                 parts.append(chunk)
             text = "".join(parts)
-        except ChatTemplateError as e:
-            raise ChatTemplateError(f"chat template of {where}: {e}") from None
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template of {where}: {e}") from None
+        except (ChatTemplateError, jinja2.TemplateError) as e:
+            raise ChatTemplateError(f"chat template of {where}: {e}", str(e)) from None
         except Exception as e:  # noqa: BLE001 - a template runs arbitrary expressions on the messages
-            raise ChatTemplateError(f"chat template of {where} failed to render: "
-                                    f"{type(e).__name__}: {e}") from None
+            why = f"failed to render: {type(e).__name__}: {e}"
+            raise ChatTemplateError(f"chat template of {where} {why}", why) from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

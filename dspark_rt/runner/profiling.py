@@ -275,11 +275,20 @@ def load_or_profile_jointly(items, cache_dir=None, *, B_values=None, seconds: fl
                                 max_batch, progress, sparse)
         for i, prof in zip(missing, fresh):
             path = cache_path(prof.key, cache_dir)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.save(path)
-            log.info("SPS profile saved to %s", path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                prof.save(path)
+                log.info("SPS profile saved to %s", path)
+            except OSError as e:  # an unusable cache (a file in the way, read-only): go on
+                if path.parent not in _unusable:
+                    _unusable.add(path.parent)
+                    log.warning("SPS profile cache %s (DSPARK_CACHE_DIR) is unusable (%s): "
+                                "profiles are not cached", path.parent, e.strerror or e)
             found[i] = prof
     return found
+
+
+_unusable: set[Path] = set()  # cache folders already warned about
 
 
 def _cached(path: Path, key: dict, runner: Runner) -> SPSProfile | None:
@@ -287,7 +296,7 @@ def _cached(path: Path, key: dict, runner: Runner) -> SPSProfile | None:
         return None
     try:
         cached = SPSProfile.load(path)
-    except (ValueError, KeyError, TypeError) as e:  # corrupt or foreign: measure again
+    except (ValueError, KeyError, TypeError, OSError) as e:  # corrupt, foreign, unreadable
         log.warning("SPS profile %s unreadable (%s): re-profiling", path, e)
         return None
     chk = check_profile(cached, key, gpu=_gpu(runner.device))

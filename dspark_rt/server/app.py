@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from .engine_loop import EngineLoop
 from .metrics import Metrics
@@ -20,13 +21,19 @@ from .protocol import APIError, GenRequest, parse_chat, parse_completion
 from .responses import DONE, Body, spec_metrics, sse
 
 
+MAX_BODY_BYTES = 16 * 2**20  # a 131k-token prompt is ~1 MB of JSON
+
+
 class ServerState:
     """engine: the engine.Engine the server steps (sized by the caller); tokenizer: the target's
-    (chat template, text); model_name: the served name; max_model_len: the target's context."""
+    (chat template, text); model_name: the served name; max_model_len: the target's context;
+    max_waiting: see EngineLoop; max_body_bytes: the request body limit (default 16 MiB)."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, *,
-                 max_waiting: int = 1024):
+                 max_waiting: int = 1024, max_body_bytes: int | None = None):
         self.engine, self.tokenizer = engine, tokenizer
+        # larger request bodies get 413, unread
+        self.max_body_bytes = max_body_bytes or MAX_BODY_BYTES
         self.model_name, self.max_model_len = model_name, max_model_len
         self.metrics = Metrics(model_name, engine.runner.gamma)
         self.loop = EngineLoop(engine, self.metrics, max_waiting=max_waiting)
@@ -37,8 +44,19 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _json(request: Request):
-    raw = await request.body()
+async def _json(request: Request, limit: int):
+    """The body as JSON; APIError 413 once it is larger than limit bytes (told by its
+    Content-Length, or counted while reading a chunked one), before it is all in memory."""
+    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} "
+                         "bytes (--max-body-bytes)")
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise too_large
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise too_large
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -67,12 +85,21 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(request, e: APIError):
         return _error(e)
 
+    async def http_error(request, e: HTTPException):  # unknown route (404), method (405)
+        return _error(APIError(e.status_code, str(e.detail), headers=e.headers))
+
+    async def server_error(request, e: Exception):  # a bug: logged by uvicorn, never shown
+        return _error(APIError(500, "internal server error (see the server log)"))
+
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
 
     @app.get("/health")
     async def health():
-        if not state.loop.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        why = state.loop.down()
+        if why is not None:
+            return _error(APIError(503, f"the engine is down: {why}", type_="service_unavailable"))
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -88,12 +115,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
+        body = await _json(request, state.max_body_bytes)
         return await _generate(state, request, parse_completion(body, default_model=state.model_name))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _json(request)
+        body = await _json(request, state.max_body_bytes)
         g = parse_chat(body, default_model=state.model_name, tokenizer=state.tokenizer,
                        max_model_len=state.max_model_len)
         return await _generate(state, request, g)
@@ -121,14 +148,20 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
     finally:
         watch.cancel()
         if not collect.done():  # the client went away (or this handler was cancelled)
-            collect.cancel()
+            collect.cancel()    # takes effect at collect's next await: it is not done yet
             state.loop.abort(sub)
-    if collect.cancelled():
+    if not collect.done() or collect.cancelled():
         return Response(status_code=499)  # nobody reads it
     ev = collect.result()
     if ev.error is not None or ev.output is None:
-        raise APIError(500, ev.error or "the request was dropped")
+        raise _failed(ev)
     return body.full(ev.output)
+
+
+def _failed(ev) -> APIError:
+    """The error of a request the engine failed (500) or could not finish: it is down (503)."""
+    return APIError(ev.status, ev.error or "the request was dropped",
+                    type_="service_unavailable" if ev.status == 503 else None)
 
 
 async def _collect(state: ServerState, sub):
@@ -159,7 +192,7 @@ async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
                 yield sse(chunk)
         out = ev.output
         if ev.error is not None or out is None:
-            yield sse(APIError(500, ev.error or "the request was dropped").body())
+            yield sse(_failed(ev).body())
         else:
             state.metrics.latency(sub.arrival, first, time.monotonic(), len(out.token_ids))
             last = body.last(ev.new_token_ids, ev.logprobs, out)

@@ -7,7 +7,10 @@ its own asyncio.Queue, filled by the engine thread with loop.call_soon_threadsaf
 
 A request leaves exactly once: finished by the engine (its last Event carries the
 RequestOutput), aborted (a client that went away: its pages go back to the pool at once) or
-failed (the engine raised; every request in flight gets the error, the loop goes on).
+failed (the engine raised; every request in flight gets the error, the loop goes on). When the
+engine can run nothing more (a tensor-parallel worker died, or the engine thread itself), the
+loop is down: every request in flight or queued gets 503 with the reason, and so does every
+later one; down() is what /health reports.
 """
 import asyncio
 import logging
@@ -15,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..parallel.runner import WorkerError
 from ..sampling_params import SamplingParams
 from .protocol import APIError
 
@@ -30,6 +34,7 @@ class Event:
     finished: bool = False
     output: object = None   # outputs.RequestOutput
     error: str | None = None
+    status: int = 500       # the HTTP status of an error
 
 
 @dataclass(eq=False)
@@ -66,11 +71,15 @@ class EngineLoop:
     requests that may wait for a batch slot (queued or not yet added) before new ones get 503."""
 
     def __init__(self, engine, metrics=None, *, max_waiting: int = 1024):
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be an int >= 1 (0 would refuse every request), "
+                             f"got {max_waiting!r}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Submission]] = []
         self._live: dict[int, Submission] = {}  # request id -> submission, until it leaves
         self._stopping = False
+        self._dead: str | None = None  # why the engine can run nothing more
         self._thread = threading.Thread(target=self._run, name="dspark-rt-engine", daemon=True)
         self.num_steps = 0
 
@@ -89,12 +98,33 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def down(self) -> str | None:
+        """Why the engine can serve nothing more, or None while it can: the engine thread
+        stopped, or a tensor-parallel worker exited (seen here even while the engine idles)."""
+        if self._dead is not None:
+            return self._dead
+        if not self._thread.is_alive():
+            return "the engine thread is not running"
+        tp = getattr(self.engine.runner, "tensor_parallel", None)  # the leader's group
+        if tp is not None:
+            for rank, p in enumerate(tp.procs, 1):
+                if p.poll() is not None:
+                    return (f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code "
+                            f"{p.returncode}")
+            if tp.closed:
+                return "the tensor-parallel group is shut down"
+        return None
+
     async def submit(self, prompt, params: SamplingParams) -> Submission:
         """Queues a request; returns once it is in the engine. Raises APIError 400 for a prompt
-        the engine refuses (too long, bad token ids), 503 when the queue is full."""
+        the engine refuses (too long, bad token ids), 503 when the queue is full or the engine
+        is down."""
         loop = asyncio.get_running_loop()
         sub = Submission(prompt, params, loop, loop.create_future())
         with self._cv:
+            why = self.down()  # under the lock: a dying engine thread answers what is queued
+            if why is not None:
+                raise APIError(503, f"the engine is down: {why}", type_="service_unavailable")
             pending = sum(1 for kind, _ in self._inbox if kind == "add")
             if pending + self.engine.num_waiting >= self.max_waiting:
                 raise APIError(503, f"the server is busy: {self.max_waiting} requests are already "
@@ -118,6 +148,13 @@ class EngineLoop:
     # -- engine thread -----------------------------------------------------------------------
 
     def _run(self):
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a thread that dies must say so, not hang
+            log.exception("the engine thread stopped")
+            self._die(f"the engine thread stopped ({type(e).__name__})")
+
+    def _serve(self):
         eng = self.engine
         while True:
             with self._cv:
@@ -131,9 +168,12 @@ class EngineLoop:
             if eng.has_unfinished():
                 try:
                     outs = eng.step()
+                except WorkerError as e:  # the tensor-parallel group is gone
+                    log.error("the engine is down: %s", e)
+                    return self._die(str(e))
                 except Exception as e:  # an engine bug: fail what is in flight, keep serving
                     log.exception("Engine.step failed")
-                    self._fail_all(f"engine failure: {type(e).__name__}: {e}")
+                    self._fail_all(f"engine failure ({type(e).__name__}; see the server log)")
                     continue
                 self.num_steps += 1
                 for o in outs:
@@ -152,12 +192,14 @@ class EngineLoop:
             req = self.engine.make_request(sub.prompt, sub.params)
             self.engine.add(req)
         except ValueError as e:  # the prompt does not fit the model (length, token ids)
-            msg = str(e).removeprefix("request 0: ")
-            return _post(sub.loop, _resolve, sub.started, APIError(400, msg, "prompt"))
+            msg = str(e).removeprefix("request 0: ").replace("SamplingParams.", "")
+            param = next((f for f in ("stop_token_ids", "stop") if msg.startswith(f)), "prompt")
+            return _post(sub.loop, _resolve, sub.started, APIError(400, msg, param))
         except Exception as e:  # noqa: BLE001 - a bug must not take the engine thread down
             log.exception("adding a request failed")
             return _post(sub.loop, _resolve, sub.started,
-                         APIError(500, f"{type(e).__name__}: {e}"))
+                         APIError(500, f"adding the request failed ({type(e).__name__}; see the "
+                                  "server log)"))
         sub.req, sub.request_id, sub.prompt_tokens = req, req.request_id, len(req.prompt_ids)
         self._live[req.request_id] = sub
         _post(sub.loop, _resolve, sub.started, sub)
@@ -183,11 +225,27 @@ class EngineLoop:
                 # response and then reads /metrics finds its request counted
         _post(sub.loop, sub.events.put_nowait, Event(list(new_ids), lps, finished, output, error))
 
-    def _fail_all(self, why: str):
+    def _fail_all(self, why: str, status: int = 500):
         for sub in list(self._live.values()):
-            if self.engine.abort(sub.request_id):
-                out = self.engine.output(sub.req)
-                if self.metrics is not None:
-                    self.metrics.finished(out)
+            try:
+                if self.engine.abort(sub.request_id):
+                    out = self.engine.output(sub.req)
+                    if self.metrics is not None:
+                        self.metrics.finished(out)
+            except Exception:  # noqa: BLE001 - a broken engine: the request leaves regardless
+                log.exception("aborting request %s failed", sub.request_id)
             self._live.pop(sub.request_id, None)
-            _post(sub.loop, sub.events.put_nowait, Event([], None, True, None, why))
+            _post(sub.loop, sub.events.put_nowait, Event([], None, True, None, why, status))
+
+    def _die(self, why: str):
+        """The engine can run nothing more: what is queued or in flight gets 503, and so does
+        every later request (submit reads _dead under the same lock)."""
+        with self._cv:
+            self._dead = why
+            inbox, self._inbox = self._inbox, []
+        err = f"the engine is down: {why}"
+        for kind, sub in inbox:
+            if kind == "add":
+                _post(sub.loop, _resolve, sub.started,
+                      APIError(503, err, type_="service_unavailable"))
+        self._fail_all(err, 503)

@@ -9,22 +9,27 @@ gets something other than what it asked for.
 import re
 from dataclasses import dataclass
 
+from ..checkpoint.config import CheckpointError
+from ..checkpoint.tokenizer import ChatTemplateError
 from ..sampling_params import SamplingParams
 
 
 class APIError(Exception):
-    """status: 400 (bad field), 404 (unknown model), 503 (queue full), 500 (engine failure)."""
+    """status: 400 (bad field), 404 (unknown model or route), 405, 413 (body too large),
+    503 (queue full, engine down), 500 (engine failure)."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded",
-             500: "server_error"}
+    TYPES = {404: "not_found_error", 503: "server_overloaded"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+        self.type = type_
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = self.type or self.TYPES.get(self.status, default)
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.status}}
 
 
@@ -66,7 +71,11 @@ def _number(body, name, default):
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(name, f"must be a number, got {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer of hundreds of digits
+        raise bad(name, f"must be a number within float range, got an integer of "
+                  f"{v.bit_length()} bits") from None
 
 
 def _bool(body, name, default):
@@ -213,8 +222,11 @@ def parse_chat(body, *, default_model: str, tokenizer, max_model_len: int) -> Ge
         raise bad("messages", "chat needs a tokenizer and chat template in the target folder")
     try:
         prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-    except Exception as e:  # a template may raise on roles it does not know
-        raise bad("messages", f"the chat template refused them: {e}") from None
+    except ChatTemplateError as e:  # a template may raise on roles it does not know
+        # its own words only: the message names the template's file on this machine
+        raise bad("messages", f"the chat template refused them: {e.detail}") from None
+    except CheckpointError:  # no template (the message names the folder)
+        raise bad("messages", "chat needs a chat template in the target folder") from None
     stream, usage = _stream(body)
     # without max_tokens a chat answer runs to a stop token or the end of the context
     return GenRequest("chat", _model(body, default_model), prompt,

@@ -4,7 +4,7 @@ Decodes a prompt file in dspark mode with the `fixed` policy, so every round ver
 draft (up to the request's remaining budget) and every verified position gets a label, logs
 (raw confidence logits, verified length, accepted count) per request-round, fits one of
 METHODS, and writes the JSON (default `<drafter>/dspark_calibration.json`), a reliability
-diagram next to it and a per-position before/after table on stdout. With a held-out split (the
+diagram next to it (when matplotlib is installed) and a per-position before/after table on stdout. With a held-out split (the
 last `holdout` share of the prompts, or a second prompt file) the fit is also scored on rounds
 it never saw: a second table, and metadata["holdout"] in the JSON.
 """
@@ -26,6 +26,16 @@ DEFAULT_NAME = CALIBRATION_FILE
 # table: a monotone survival table per position (policies/online.py), what the online
 # recalibration fits
 METHODS = {"sts": fit_sts, "platt": fit_platt, "table": fit_table}
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib (the optional `plot` extra) imports; prints a note when it does not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed (pip install 'dspark_rt[plot]'): no plots written")
+        return False
+    return True
 
 
 def decode_logged(decoder, prompts, params, *, batch_size: int = 8, progress: bool = True,
@@ -163,9 +173,11 @@ def calibrate(target, drafter, prompts_file, out=None, *, max_tokens: int = 128,
     out = Path(out) if out is not None else Path(drafter) / DEFAULT_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
     result.save(out)
-    png = reliability_diagram(conf, acc, ver, result.temperatures,
-                              out.with_name(out.stem + "_reliability.png"),
-                              survival=served_survival(cal, conf))
+    png = None
+    if plotting_available():
+        png = reliability_diagram(conf, acc, ver, result.temperatures,
+                                  out.with_name(out.stem + "_reliability.png"),
+                                  survival=served_survival(cal, conf))
     print(f"{method} calibration of {drafter} on {len(prompts)} prompts of {prompts_file}: "
           f"{len(ver)} request-rounds, gamma {conf.shape[1]}, tau {meta['mean_acceptance_length']:.3f}")
     print(describe(cal))
@@ -174,7 +186,7 @@ def calibrate(target, drafter, prompts_file, out=None, *, max_tokens: int = 128,
         h = result.metadata["holdout"]
         print(f"held-out split ({h['n_prompts']} prompts of {h['prompts']}, {h['n_rounds']} "
               f"request-rounds, never fitted on):\n" + format_report(h["report"]))
-    print(f"wrote {out}\nwrote {png}")
+    print(f"wrote {out}" + (f"\nwrote {png}" if png is not None else ""))
     return result
 
 

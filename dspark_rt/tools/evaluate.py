@@ -13,7 +13,8 @@ Printed and written to <out_dir>/summary.json:
 * which calibration was in force (its file, "given", "+ online") and its parameters.
 With --warmup N the first N prompts are decoded first and not measured (they warm the online
 calibration up; without it they are skipped), so `--limit 80 --warmup 40` measures prompts 41-80.
-Plots: acceptance_by_position.png and reliability.png (before: raw head, after: calibrated).
+Plots: acceptance_by_position.png and reliability.png (before: raw head, after: calibrated),
+written after summary.json, and skipped with a note when matplotlib (the `plot` extra) is missing.
 """
 import json
 import math
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .calibrate import decode_logged, describe, prompts_for, round_arrays, served_survival
+from .calibrate import (decode_logged, describe, plotting_available, prompts_for, round_arrays,
+                        served_survival)
 from ..decoder import Decoder
 from ..outputs import SpecMetrics
 from .prompts import existing_file, read_turns
@@ -134,13 +136,9 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
                **m.as_dict(), "confidence": None}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = {}
-    if gamma:
-        plots["acceptance_by_position"] = str(plot_acceptance(
-            m.acceptance_by_position, out_dir / "acceptance_by_position.png",
-            f"{dec.mode}/{summary['policy']}: tau {summary['tau']:.2f}"))
     conf, ver, acc = round_arrays(log)
-    if conf is not None and len(ver) and (ver > 0).any():
+    labelled = conf is not None and len(ver) and (ver > 0).any()
+    if labelled:
         temps = summary["temperatures"]
         if online:  # a round without a verified draft carries no label and is not recorded
             dec.calibration.flush()
@@ -151,13 +149,24 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
         else:
             a = served_survival(dec.engine.calibration, conf)
         summary["confidence"] = calibration_metrics(conf, ver, acc, temps, survival=a)
-        plots["reliability"] = str(reliability_diagram(conf, acc, ver, temps,
-                                                       out_dir / "reliability.png", survival=a))
-    summary["plots"] = plots
+    summary["plots"] = {}
     path = out_dir / "summary.json"
-    path.write_text(json.dumps(_nan_to_none(summary), indent=1) + "\n")
+    write = lambda: path.write_text(json.dumps(_nan_to_none(summary), indent=1) + "\n")
+    write()  # the results first: a plot that fails loses none of them
     print(format_summary(summary))
-    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in plots.values()))
+    print(f"wrote {path}")
+    if not plotting_available():
+        return summary
+    plots = summary["plots"]
+    if gamma:
+        plots["acceptance_by_position"] = str(plot_acceptance(
+            m.acceptance_by_position, out_dir / "acceptance_by_position.png",
+            f"{dec.mode}/{summary['policy']}: tau {summary['tau']:.2f}"))
+    if labelled:
+        plots["reliability"] = str(reliability_diagram(
+            conf, acc, ver, summary["temperatures"], out_dir / "reliability.png", survival=a))
+    write()
+    print("".join(f"wrote {p}\n" for p in plots.values()), end="")
     return summary
 
 

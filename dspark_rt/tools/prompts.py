@@ -8,6 +8,7 @@ checked as it is parsed, so a bad one is reported under its own name).
 """
 import json
 import math
+import re
 import logging
 from pathlib import Path
 
@@ -107,6 +108,24 @@ def existing_file(path):
     if not Path(path).is_file():
         raise argparse.ArgumentTypeError(f"{path}: file not found")
     return path
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def byte_size(s) -> int:
+    """argparse type: a positive number of bytes, with an optional unit (2GiB, 512MiB, 1.5G)."""
+    import argparse
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
+    unit = m and m.group(2).lower().removesuffix("b")
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a size in bytes (e.g. 2GiB, 512MiB, "
+                                         "1000000)")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {s!r}")
+    return n
 
 
 def positive(kind, zero_ok=False):

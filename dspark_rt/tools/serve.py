@@ -6,9 +6,10 @@ event loop takes requests concurrently.
 """
 import argparse
 import logging
+import socket
 from pathlib import Path
 
-from .prompts import DTYPES, model_dir, positive
+from .prompts import DTYPES, byte_size, model_dir, positive
 
 CALIBRATION = "dspark_calibration.json"  # what `dspark-rt calibrate` writes next to the drafter
 
@@ -16,12 +17,15 @@ CALIBRATION = "dspark_calibration.json"  # what `dspark-rt calibrate` writes nex
 def build_state(target, drafter=None, *, mode=None, policy="fixed", threshold=0.5,
                 calibration=None, served_model_name=None, max_num_seqs=32, num_pages=None,
                 max_num_batched_tokens=None, max_waiting=1024, device="cpu", dtype=None, seed=0,
-                tensor_parallel_size=1):
+                tensor_parallel_size=1, max_body_bytes=None, kv_cache_memory=None,
+                kv_cache_fraction=None):
     """The Decoder's models, a fresh Engine of these sizes, and the server state over it.
-    num_pages (default): every running request can hold the whole context at once."""
+    num_pages (default): what kv_cache_memory bytes, or kv_cache_fraction of the memory left
+    after loading, hold (kv_budget), up to max_num_seqs whole contexts."""
     from ..decoder import Decoder
     from ..engine import EngineConfig
     from ..server import ServerState
+    from .kv_budget import budget_pages, gib, page_bytes
 
     if calibration is None and drafter is not None and (Path(drafter) / CALIBRATION).is_file():
         calibration = Path(drafter) / CALIBRATION
@@ -29,12 +33,53 @@ def build_state(target, drafter=None, *, mode=None, policy="fixed", threshold=0.
                                   policy=policy, threshold=threshold, calibration=calibration,
                                   seed=seed, tensor_parallel_size=tensor_parallel_size)
     per_seq = -(-(dec.max_model_len + dec.runner.gamma + 2) // dec.runner.page_size)
+    if num_pages is None:
+        num_pages = budget_pages(dec.runner, dec.device, per_seq=per_seq,
+                                 max_num_seqs=max_num_seqs, max_model_len=dec.max_model_len,
+                                 kv_cache_memory=kv_cache_memory,
+                                 kv_cache_fraction=kv_cache_fraction)
     budget = max_num_batched_tokens or max(2048, max_num_seqs * (1 + dec.runner.gamma))
-    eng = dec.new_engine(EngineConfig(num_pages=num_pages or max_num_seqs * per_seq,
-                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                      chunk_size=min(budget, 512)))
+    config = EngineConfig(num_pages=num_pages, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=budget, chunk_size=min(budget, 512))
+    try:
+        eng = dec.new_engine(config)
+    except (RuntimeError, MemoryError) as e:  # torch's allocators: OutOfMemoryError and kin
+        if "alloc" not in str(e).lower() and "memory" not in str(e).lower():
+            raise
+        size = gib(num_pages * page_bytes(dec.runner))
+        raise ValueError(f"allocating the KV caches ({num_pages} pages, {size}) failed: lower "
+                         f"--num-pages or --kv-cache-memory ({str(e).splitlines()[0]})") from None
     return ServerState(eng, dec.tokenizer, served_model_name or str(target), dec.max_model_len,
-                       max_waiting=max_waiting)
+                       max_waiting=max_waiting, max_body_bytes=max_body_bytes)
+
+
+def port(s) -> int:
+    """argparse type: a TCP port number."""
+    v = positive(int)(s)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {s}")
+    return v
+
+
+def fraction(s) -> float:
+    """argparse type: a number in (0, 1]."""
+    v = positive(float)(s)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {s}")
+    return v
+
+
+def check_listen(ap, host: str, port: int):
+    """Exits with a clear error when host:port cannot be listened on (a bad host, a port in use
+    or reserved), before any model is loaded."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        ap.error(f"argument --host/--port: cannot listen on {host}:{port} "
+                 f"({e.strerror or e})")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -44,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", required=True, type=model_dir, help="target model folder")
     ap.add_argument("--drafter", type=model_dir, help="drafter folder (none: plain decoding)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--served-model-name", help="the model name clients send (default: --target)")
     ap.add_argument("--mode", choices=["ar", "dflash", "dspark"], help="default: by the drafter")
     ap.add_argument("--policy", default="fixed", choices=["fixed", "threshold", "sync", "async"])
@@ -52,18 +97,26 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibration", help=f"STS temperatures (default: <drafter>/{CALIBRATION} "
                     "when present)")
     ap.add_argument("--max-num-seqs", type=positive(int), default=32, help="requests per batch")
-    ap.add_argument("--num-pages", type=positive(int), help="KV pages per cache (default: "
-                    "max-num-seqs whole contexts)")
+    kv = ap.add_mutually_exclusive_group()
+    kv.add_argument("--num-pages", type=positive(int), help="KV pages per cache (default: what "
+                    "the KV cache budget holds, up to max-num-seqs whole contexts)")
+    kv.add_argument("--kv-cache-memory", type=byte_size, help="KV cache budget in bytes, both "
+                    "caches together (e.g. 2GiB)")
+    kv.add_argument("--kv-cache-fraction", type=fraction, help="KV cache budget as a fraction of "
+                    "the memory available after loading (default: 0.9 on CUDA, 0.5 on the CPU)")
     ap.add_argument("--max-num-batched-tokens", type=positive(int), help="target tokens per step")
-    ap.add_argument("--max-waiting", type=int, default=1024, help="queued requests before new "
-                    "ones get 503 (Retry-After)")
+    ap.add_argument("--max-waiting", type=positive(int), default=1024, help="queued requests "
+                    "before new ones get 503 (Retry-After)")
+    ap.add_argument("--max-body-bytes", type=byte_size,
+                    help="larger request bodies get 413 (default: 16MiB; units: KiB, MiB, GB...)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", choices=DTYPES)
     ap.add_argument("--seed", type=int, default=0, help="Philox key of requests without a seed")
     ap.add_argument("--tensor-parallel-size", type=positive(int), default=1,
                     help="ranks to shard the models over (this process and N - 1 workers; "
                     "NCCL on CUDA, gloo on the CPU)")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     return ap
 
 
@@ -76,6 +129,7 @@ def main(argv=None) -> int:
         from ..server import build_app
     except ImportError as e:
         ap.exit(2, f"dspark-rt serve: {e.name} is missing: pip install 'dspark_rt[serve]'\n")
+    check_listen(ap, a.host, a.port)
     logging.basicConfig(level=a.log_level.upper())
     try:
         state = build_state(a.target, a.drafter, mode=a.mode, policy=a.policy,
@@ -84,7 +138,9 @@ def main(argv=None) -> int:
                             num_pages=a.num_pages, max_num_batched_tokens=a.max_num_batched_tokens,
                             max_waiting=a.max_waiting, device=a.device,
                             dtype=None if a.dtype == "auto" else a.dtype, seed=a.seed,
-                            tensor_parallel_size=a.tensor_parallel_size)
+                            tensor_parallel_size=a.tensor_parallel_size,
+                            max_body_bytes=a.max_body_bytes, kv_cache_memory=a.kv_cache_memory,
+                            kv_cache_fraction=a.kv_cache_fraction)
     except (ValueError, OSError) as e:
         ap.exit(2, f"dspark-rt serve: error: {e}\n")
     uvicorn.run(build_app(state), host=a.host, port=a.port, log_level=a.log_level)
