@@ -21,8 +21,9 @@
 #
 # Fails fast: a failed or timed-out build skips every later step ("skipped (build failed)");
 # a GPU-mode test step whose cases all skipped (no CUDA _C) is "failed (all skipped)";
-# bench_kernels.py and bench_e2e.py exit non-zero on a GPU without a CUDA build. Exit status:
-# 0 only when every step was ok or skipped by --skip and the kernels ran (GPU mode).
+# bench_kernels.py and bench_e2e.py exit non-zero on a GPU without a CUDA build. Exit status 1
+# when a step failed, timed out or was skipped for a failed pre-flight / build / spent budget,
+# or (GPU mode) when no step ran a CUDA kernel; else 0.
 #
 # Writes $OUT/gpu_lease.tar.gz (gpu_lease/: steps.tsv, preflight.{log,json}, build.log,
 # ptxas.txt, tests_*.{log,xml}, kernels.{log,json}, e2e.{log,json,png}, sanitizer*.log,
@@ -74,7 +75,7 @@ while (($#)); do
     --budget) BUDGET=$2; ARGS+=(--budget "$2"); shift ;;
     --budget=*) BUDGET=${1#--budget=}; ARGS+=(--budget "$BUDGET") ;;
     --flex) FLEX=one; ARGS+=(--flex) ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu_lease.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
   esac
   shift
