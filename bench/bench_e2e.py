@@ -18,6 +18,9 @@ single value is used for all) or a preset name ("tau5": tau 5.05 at gamma 7).
 weights shared in memory) as mode "hf/generate": the outside baseline of plain decoding.
 --repeats N runs every mode and batch N times, modes interleaved within each repetition, and
 reports medians with the ratios the policy is judged on.
+On a machine with a CUDA device but a dspark_rt._C without CUDA kernels it exits 2 before
+measuring: the ops would silently fall back to the reference, and the numbers would read as the
+kernels'.
 
     python bench/bench_e2e.py [--batch 1 4 16] [--max-tokens 48] [--json out.json] [--plot out.png]
     python bench/bench_e2e.py --device cuda --model qwen3-8b --accept-prob 0.8 --batch 1 8 32 128
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_rt import Decoder, SamplingParams
+from dspark_rt import Decoder, SamplingParams, ops
 from dspark_rt.testing import phases as phase_timer, synthetic
 from dspark_rt.testing.random_models import SHAPES as RANDOM_SHAPES
 from dspark_rt.testing.bench import header as device_header
@@ -347,6 +350,9 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
+    if torch.cuda.is_available() and "cuda" not in ops.available_backends():
+        sys.exit(f"bench_e2e: a CUDA device is present but dspark_rt._C has no CUDA kernels (backends "
+                 f"{ops.available_backends()}): build with DSPARK_CUDA=1 first; nothing measured")
     if args.model != "shipped" and not args.accept_prob:
         ap.error("--model qwen3-8b / tiny (random weights) need --accept-prob")
     if args.accept_prob:

@@ -78,7 +78,8 @@ def measure(rep, dev, R, G, V, target_dtype=torch.float32):
     racc, rout, _ = call("reference")
     match = bool(torch.equal(acc, racc) and torch.equal(out, rout))
     us, how = time_us(lambda: call(be), dev)
-    ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5)
+    ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5) \
+        if getattr(rep.args, "ref", "all") == "all" or not rep.rows else None  # --ref first: the smallest shape only
     target, cu_rows, tokens, draft, lse = args_
     base = lambda: torch_baseline(target, draft, lse, tokens, kw["temperature"])
     base_us = baseline_us(base, dev)

@@ -139,7 +139,8 @@ def measure(rep, dev, dtype, R, ctx, n, h_q, h_kv, hd) -> dict:
     us, how = time_us(planned, dev)
     unplanned_us = median_us(lambda: call(be), dev)
     plan_us = median_us(make_plan, dev)
-    ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5)
+    ref_us = median_us(lambda: call("reference"), dev, warmup=1, runs=5) \
+        if getattr(rep.args, "ref", "all") == "all" or not rep.rows else None  # --ref first: the smallest shape only
     L, extra, base_us = ctx + n, {}, None
     for explicit in (False, True):
         try:

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, in ONE call of at most 9 minutes on a fresh machine: pre-flight,
 # in-place build for this device's architecture, GPU tests, every kernel benchmark at its goal
-# shapes, a trimmed end-to-end run, compute-sanitizer. One archive comes back.
+# shapes (verify_attention first), a trimmed end-to-end run, compute-sanitizer on a torch-free
+# driver. One archive comes back. The summary's FIRST line says whether the CUDA kernels ran.
 #
-#   OUT=/some/dir bash bench/gpu_lease.sh [--dry-run] [--skip STEP,...] [--budget SECONDS]
+#   OUT=/some/dir bash bench/gpu_lease.sh [--dry-run] [--skip STEP,...] [--budget SECONDS] [--flex]
 #
 #   --dry-run  CPU mode (also chosen when torch sees no GPU): the pre-flight reports what is
 #              missing without stopping, the build is CPU-only (DSPARK_CUDA=0), the GPU tests
 #              are only collected, the kernel driver runs --device cpu --quick, the end-to-end
-#              run uses the shipped pair for 4 tokens, no sanitizer; the archive is written.
+#              run uses the shipped pair for 4 tokens, the sanitizer driver runs on the CPU
+#              kernels (no compute-sanitizer); the archive is written.
 #   --skip     steps to leave out: build tests_ops tests_graphs kernels e2e sanitizer (the
-#              pre-flight always runs: it picks the mode and the architecture)
+#              pre-flight always runs: it picks the mode and the architecture). A rerun on the
+#              still-warm machine skips build (its in-place .so is still there): the summary
+#              ends with that command, ready to paste.
 #   --budget   seconds of command time for the whole script (default 540)
+#   --flex     also time FlexAttention (compiled, R=32 ctx 4k: tens of seconds) in kernels
+#   DSPARK_LEASE_FAIL_BUILD=1  the build step fails without building (tests this script's stop)
+#
+# Fails fast: a failed or timed-out build skips every later step ("skipped (build failed)");
+# a GPU-mode test step whose cases all skipped (no CUDA _C) is "failed (all skipped)";
+# bench_kernels.py and bench_e2e.py exit non-zero on a GPU without a CUDA build. Exit status 1
+# when a step failed, timed out or was skipped for a failed pre-flight / build / spent budget,
+# or (GPU mode) when no step ran a CUDA kernel; else 0.
 #
 # Writes $OUT/gpu_lease.tar.gz (gpu_lease/: steps.tsv, preflight.{log,json}, build.log,
 # ptxas.txt, tests_*.{log,xml}, kernels.{log,json}, e2e.{log,json,png}, sanitizer*.log,
@@ -20,43 +32,50 @@
 # Test seed: DSPARK_TEST_SEED (default 1701), printed and recorded.
 #
 # Time budget (command time; the lease gives 15 min of device time per session, machine start of
-# 1-2 min included, 10 min per command, 8 files back). Expected seconds are estimates for a
+# 2-4 min included, 10 min per command, 8 files back). Expected seconds are estimates for a
 # fresh H200 machine (no GPU has run these yet: replace them with the first measured run);
-# caps are each step's timeout. Caps before the sanitizer sum to 500 s + 15 s reserved for the
-# summary, so every step gets its full cap within 540 s; the sanitizer gets what is left.
+# caps are each step's timeout, cut to what the budget has left. Caps up to e2e sum to
+# 30+100+110+50+100+80 = 470 s, + 15 s reserved for the summary = 485 s, so every step up to
+# e2e gets its full cap within 540 s even if each one hits it; the sanitizer steps get what is
+# left (>= 55 s then) up to their own caps (30+60+60). Expected total ~335 s: with a 2-4 min start
+# and the transfers ~10 of 15 lease minutes, leaving a rerun of one failed step on the warm
+# machine (printed at the end; start it within ~30 s).
 #
 #   step          expected  cap   why
-#   preflight        10      30   python + torch import, NVML, nvcc --version
+#   preflight        10      30   python + torch import, NVML, nvcc --version, cmake/ninja on PATH
 #   build            45     100   cmake configure + 6 .cu (markov_sample.cu alone: 15-18 s of
 #                                 one loaded core for sm_90a here) in parallel on 16 cores, one arch
 #   tests_ops        65     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
 #                                 ~390 cases, a few at 32k context / 32k vocabulary
 #   tests_graphs     30      50   pytest -m gpu test_graphs.py test_greedy_equality.py
-#   kernels         105     130   bench/bench_kernels.py: 4 ops, 26 goal shapes, one process;
-#                                 each reference timing stops after 3 runs past 3 s; the
-#                                 FlexAttention compile (one shape) comes last; JSON per row;
-#                                 markov rows also time plain launches (+~10 s)
+#   kernels          60     100   bench/bench_kernels.py: verify_attention first, then markov,
+#                                 rejection, prefix_topk; 26 goal shapes, one process; the eager
+#                                 reference (3-4 s a shape) at each op's smallest shape only;
+#                                 no FlexAttention unless --flex (+~40 s); JSON per row
 #   e2e              70      80   bench_e2e.py qwen3-8b, accept 0.8, batch 1 32, 16 tokens,
 #                                 ar / dspark fixed / dspark async (JSON kept per row)
-#   sanitizer       100    rest   probe (nvcc + a 1-kernel program), memcheck, racecheck
-#                                 (each <= 110 s inside the test; skipped when refused)
+#   sanitizer        50     150   probe (nvcc + a 1-kernel program, cap 30), then
+#                                 bench/sanitize_ops.py (no torch: cupy buffers, every op at
+#                                 small shapes) under memcheck (cap 60) and racecheck (cap 60)
 #   summary           5      15   reserved
-#   total          ~425     540   + machine start 60-120 s + transfers: ~11.5 of 15 lease minutes,
-#                                 60 s under the 10-minute command limit (call with timeout_s 600)
+#   total          ~335     540   60 s under the 10-minute command limit (call with timeout_s 600)
 set -uo pipefail
 
 BUDGET=540
 RESERVE=15
 DRY=0
 SKIP=","
+FLEX=none
+ARGS=()  # what a rerun repeats (--budget, --flex, --dry-run)
 while (($#)); do
   case $1 in
-    --dry-run) DRY=1 ;;
+    --dry-run) DRY=1; ARGS+=(--dry-run) ;;
     --skip) SKIP=",$2,"; shift ;;
     --skip=*) SKIP=",${1#--skip=},"; ;;
-    --budget) BUDGET=$2; shift ;;
-    --budget=*) BUDGET=${1#--budget=} ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --budget) BUDGET=$2; ARGS+=(--budget "$2"); shift ;;
+    --budget=*) BUDGET=${1#--budget=}; ARGS+=(--budget "$BUDGET") ;;
+    --flex) FLEX=one; ARGS+=(--flex) ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu_lease.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
   esac
   shift
@@ -88,7 +107,8 @@ record() {  # NAME STATUS SECONDS LIMIT
 }
 
 # run_step NAME CAP CMD...: CMD under a timeout of min(CAP, budget left - RESERVE), output to
-# $WORK/NAME.log; records ok / failed(rc) / timeout / skipped. Never stops the script.
+# $WORK/NAME.log; records ok / failed(rc) / failed (all skipped) / timeout / skipped. With
+# JUNIT=path set (GPU-mode tests), a run that passed no case is "failed (all skipped)".
 run_step() {
   local name=$1 cap=$2
   shift 2
@@ -101,6 +121,10 @@ run_step() {
   timeout --kill-after=5 "$limit" "$@" >>"$WORK/$name.log" 2>&1 || rc=$?
   local status=ok
   if ((rc == 124 || rc == 137)); then status=timeout; elif ((rc != 0)); then status="failed($rc)"; fi
+  if [[ $status == ok && -n ${JUNIT:-} ]] && ! "$PY" bench/lease_junit.py "$JUNIT" >>"$WORK/$name.log" 2>&1; then
+    status="failed (all skipped)"
+    echo "gpu_lease: no test case ran (all skipped or none collected): counted as a failure" >>"$WORK/$name.log"
+  fi
   record "$name" "$status" "$((SECONDS - t0))" "$limit"
   archive
   return 0
@@ -131,15 +155,28 @@ if nvcc:
 inc = sysconfig.get_paths()["include"]
 rep["python"] = sys.version.split()[0]
 rep["python_h"] = os.path.exists(os.path.join(inc, "Python.h")) and os.path.join(inc, "Python.h")
-for mod in ("pybind11", "cmake", "ninja", "pytest"):
+for mod in ("pybind11", "pytest", "cupy"):
     try:
         __import__(mod)
         rep[mod] = True
     except ImportError:
         rep[mod] = False
-        (missing if mod in ("pybind11", "pytest") else notes).append(f"python module {mod}")
-if not shutil.which("cmake") and not rep["cmake"]:
-    missing.append("cmake")
+        (notes if mod == "cupy" else missing).append(
+            f"python module {mod}" + (" (the sanitizer driver's buffers: sanitizer steps fail)" if mod == "cupy" else ""))
+# setup.py runs `cmake` as a program (a pip `cmake` module puts one on PATH, or not)
+for tool in ("cmake", "ninja"):
+    rep[tool] = shutil.which(tool)
+if not rep["cmake"]:
+    missing.append("cmake (not on PATH)")
+try:  # setup.py asks cmake for Ninja when this imports: the program must then be on PATH
+    import ninja  # noqa: F401
+    ninja_module = True
+except ImportError:
+    ninja_module = False
+if not rep["ninja"]:
+    (missing if ninja_module else notes).append(
+        "ninja not on PATH" + (" (the python module is there, so setup.py asks cmake for Ninja)"
+                               if ninja_module else " (the build falls back to make)"))
 try:
     import torch
     rep["torch"], rep["torch_cuda"] = torch.__version__, torch.version.cuda
@@ -212,26 +249,41 @@ if ((STOP)); then
   for s in build tests_ops tests_graphs kernels e2e sanitizer; do skip_step $s "pre-flight failed"; done
 else
   # ---- build in place, this device's architecture only (tests import the fresh .so) -------
-  if [[ $MODE == gpu ]]; then
+  if [[ ${DSPARK_LEASE_FAIL_BUILD:-0} == 1 ]]; then
+    run_step build 100 bash -c 'echo "DSPARK_LEASE_FAIL_BUILD=1: the build fails without building" >&2; exit 1'
+  elif [[ $MODE == gpu ]]; then
     run_step build 100 bash -c "DSPARK_CUDA=1 DSPARK_CUDA_ARCHS='${DSPARK_CUDA_ARCHS:-$ARCH}' DSPARK_PTXAS_VERBOSE=1 \
       '$PY' setup.py build_ext --inplace && '$PY' -c 'import sys, dspark_rt._C as m; i = m.build_info(); print(i); sys.exit(0 if i[\"cuda\"] else 1)'"
   else
     run_step build 100 bash -c "DSPARK_CUDA=0 '$PY' setup.py -q build_ext --inplace && '$PY' -c 'import dspark_rt._C as m; print(m.build_info())'"
   fi
   grep -E "ptxas info|bytes stack frame|spill" "$WORK/build.log" >"$WORK/ptxas.txt" 2>/dev/null || true
-
+  BUILD_STATUS=$(awk -F'\t' '$1 == "build" {print $2}' "$STEPS")
+  if [[ $BUILD_STATUS != ok && $BUILD_STATUS != skipped* ]]; then
+    # Nothing after a failed build measures a kernel (the tests skip, the benchmarks would time
+    # the reference ops): stop here, every later step marked.
+    echo "BUILD $BUILD_STATUS: every later step is skipped (see build.log)" | tee -a "$WORK/build.log"
+    STOP=1
+    for s in tests_ops tests_graphs kernels e2e sanitizer; do skip_step $s "build failed"; done
+  fi
+fi
+if ((!STOP)); then
   # ---- tests (GPU: run; CPU: collected only, so a wrong path or marker shows here) --------
   PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -v -rfE)
   ((DRY)) && PYTEST+=(--collect-only -q)
-  run_step tests_ops 110 "${PYTEST[@]}" tests/test_ops_cuda.py -k "not sanitizer" --junitxml="$WORK/tests_ops.xml"
-  run_step tests_graphs 50 "${PYTEST[@]}" tests/test_graphs.py tests/test_greedy_equality.py \
-    --junitxml="$WORK/tests_graphs.xml"
+  junit() { ((DRY)) || echo "$WORK/$1.xml"; }  # GPU mode: a run that passed nothing has failed
+  JUNIT=$(junit tests_ops) run_step tests_ops 110 "${PYTEST[@]}" tests/test_ops_cuda.py -k "not sanitizer" \
+    --junitxml="$WORK/tests_ops.xml"
+  JUNIT=$(junit tests_graphs) run_step tests_graphs 50 "${PYTEST[@]}" tests/test_graphs.py \
+    tests/test_greedy_equality.py --junitxml="$WORK/tests_graphs.xml"
 
   # ---- every kernel benchmark, goal shapes, one process, one JSON ---------------------------
+  # (verify_attention first; the eager references at each op's smallest shape only)
   if [[ $MODE == gpu ]]; then
-    run_step kernels 130 "$PY" bench/bench_kernels.py --device cuda --flex one --json "$WORK/kernels.json"
+    run_step kernels 100 "$PY" bench/bench_kernels.py --device cuda --flex "$FLEX" --ref first \
+      --json "$WORK/kernels.json"
   else
-    run_step kernels 130 "$PY" bench/bench_kernels.py --device cpu --quick --json "$WORK/kernels.json"
+    run_step kernels 100 "$PY" bench/bench_kernels.py --device cpu --quick --ref first --json "$WORK/kernels.json"
   fi
 
   # ---- trimmed end to end ------------------------------------------------------------------
@@ -245,8 +297,12 @@ else
   fi
 
   # ---- compute-sanitizer, last, in the time left ---------------------------------------------
+  # The ops run from bench/sanitize_ops.py, which imports neither torch nor dspark_rt (torch's
+  # thousands of kernels make a sanitized process take minutes to start): cupy buffers, _C
+  # loaded from its file. CPU mode runs the same driver on the C++ kernels, unsanitized.
+  SANITIZE=("$PY" bench/sanitize_ops.py)
   if [[ $SKIP == *",sanitizer,"* ]]; then skip_step sanitizer "--skip"
-  elif [[ $MODE == cpu ]]; then skip_step sanitizer "no GPU"
+  elif [[ $MODE == cpu ]]; then run_step sanitizer_cpu 60 "${SANITIZE[@]}" --device cpu
   elif ! command -v compute-sanitizer >/dev/null 2>&1; then skip_step sanitizer "compute-sanitizer not found"
   else
     probe=$WORK/sanitizer_probe
@@ -262,12 +318,11 @@ int main() {
   return e == cudaSuccess ? 0 : 3;
 }
 CU
-    run_step sanitizer_probe 40 bash -c "nvcc -arch=sm_${ARCH} -o '$probe' '$probe.cu' && compute-sanitizer --error-exitcode=5 '$probe'"
+    run_step sanitizer_probe 30 bash -c "nvcc -arch=sm_${ARCH} -o '$probe' '$probe.cu' && compute-sanitizer --error-exitcode=5 '$probe'"
     if tail -1 "$STEPS" | grep -q $'\tok\t'; then
-      run_step sanitizer_memcheck 120 "${PYTEST[@]}" tests/test_ops_cuda.py -k "sanitizer and memcheck" \
-        --junitxml="$WORK/sanitizer_memcheck.xml"
-      run_step sanitizer_racecheck 120 "${PYTEST[@]}" tests/test_ops_cuda.py -k "sanitizer and racecheck" \
-        --junitxml="$WORK/sanitizer_racecheck.xml"
+      for tool in memcheck racecheck; do
+        run_step sanitizer_$tool 60 compute-sanitizer --tool=$tool --error-exitcode=3 "${SANITIZE[@]}" --device cuda
+      done
     else
       skip_step sanitizer "the device refuses compute-sanitizer: $(grep -m1 -iE 'not supported|error' "$WORK/sanitizer_probe.log" | cut -c1-80)"
     fi
@@ -275,6 +330,7 @@ CU
 fi
 
 # ---- summary (one screen) and the archive ------------------------------------------------------
+export LEASE_ARGS="${ARGS[*]}"  # what the printed rerun command repeats
 "$PY" - "$WORK" "$MODE" "$BUDGET" "$((SECONDS - T0))" "$ROOT" <<'PY' 2>&1 | tee "$WORK/summary.txt"
 import glob, importlib.util, json, os, re, sys, xml.etree.ElementTree as ET
 work, mode, budget, used, root = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -287,7 +343,7 @@ for line in open(os.path.join(work, "steps.tsv")):
     name, *status, secs, limit = line.rstrip("\n").split("\t")
     status = " ".join(status)
     s["steps"].append({"step": name, "status": status, "seconds": int(secs), "limit": int(limit)})
-for name in ("tests_ops", "tests_graphs", "sanitizer_memcheck", "sanitizer_racecheck"):
+for name in ("tests_ops", "tests_graphs"):
     xml, log = os.path.join(work, name + ".xml"), os.path.join(work, name + ".log")
     c = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
     if os.path.exists(xml) and mode == "gpu":
@@ -333,8 +389,55 @@ spill = [l.strip() for l in open(os.path.join(work, "ptxas.txt"), errors="replac
          if "spill" in l and " 0 bytes spill stores, 0 bytes spill loads" not in l] \
     if os.path.exists(os.path.join(work, "ptxas.txt")) else []
 s["ptxas_spill_lines"] = spill
+
+
+def verdict():
+    """(ran, why): did any step run a CUDA kernel of this build, and what shows it (or why not)."""
+    st = {x["step"]: x["status"] for x in s["steps"]}
+    if st.get("preflight", "").startswith("failed") and mode == "gpu" or \
+            st.get("build", "").startswith("skipped (pre-flight"):
+        return False, f"pre-flight failed (missing {'; '.join(s['missing'] or []) or '?'})"
+    if not (st.get("build", "ok") == "ok" or st["build"].startswith("skipped (--skip")):
+        return False, f"build {st['build']}"
+    if mode != "gpu":
+        return False, "cpu mode (no GPU: the C++ CPU kernels and the reference ops only)"
+    shown = [f"{n} {c['passed']} passed" for n, c in s["tests"].items() if c["passed"]]
+    cuda_rows = lambda res: "cuda" in ((res or {}).get("header") or {}).get("backends", [])
+    rows = sum(len(r.get("rows", [])) for r in kern.get("ops", {}).values()) if cuda_rows(kern) else 0
+    if rows:
+        shown.append(f"kernels {rows} rows")
+    if e2e.get("rows") and cuda_rows(e2e):
+        shown.append(f"e2e {len(e2e['rows'])} rows")
+    if not shown:
+        return False, "no step ran a CUDA kernel (no GPU test passed, no benchmark row with the cuda backend)"
+    return True, ", ".join(shown)
+
+
+def rerun():
+    """The command that reruns what did not finish, reusing the in-place build of this machine."""
+    steps = ["build", "tests_ops", "tests_graphs", "kernels", "e2e", "sanitizer"]
+    again = set()
+    for x in s["steps"]:
+        name = "sanitizer" if x["step"].startswith("sanitizer") else x["step"]
+        if x["status"].startswith(("failed", "timeout", "skipped (build failed", "skipped (budget",
+                                   "skipped (pre-flight")):
+            again.add(name)
+    if "preflight" in again:
+        return None
+    if not again:
+        return ""
+    if "build" in again:  # a new build invalidates everything measured after it
+        again |= set(steps)
+    skip = [n for n in steps if n not in again]
+    return " ".join(["bash bench/gpu_lease.sh"] + (["--skip", ",".join(skip)] if skip else [])
+                    + os.environ.get("LEASE_ARGS", "").split())
+
+
+ran, why = verdict()
+s["kernels_ran"], s["kernels_ran_why"], s["rerun"] = ran, why, rerun()
 json.dump(s, open(os.path.join(work, "summary.json"), "w"), indent=1, default=str)
 
+print(f"KERNELS RAN: {why}" if ran else f"KERNELS DID NOT RUN: {why}")
 print(f"== gpu_lease summary: mode {mode}, {s['gpu'] or 'no GPU'}, arch {s['arch'] or '-'}, "
       f"DSPARK_TEST_SEED={s['seed']}, {used} s of {budget} s")
 if s["missing"]:
@@ -348,7 +451,8 @@ for name, c in s["tests"].items():
 if spill:
     print(f"   ptxas spills: {len(spill)} kernels, e.g. {spill[0][:70]}")
 f = lambda x, spec: format(x, spec) if isinstance(x, (int, float)) else "-"
-print(f"   {'kernel':<17}{'shape':<44}{'us':>9}{'GB/s':>8}{'floor':>7}{'x_base':>8}")
+if s["kernels"]:
+    print(f"   {'kernel':<17}{'shape':<44}{'us':>9}{'GB/s':>8}{'floor':>7}{'x_base':>8}")
 for k in s["kernels"]:
     if "error" in k:
         print(f"   {k['op']:<17}ERROR {k['error'][:60]}")
@@ -361,9 +465,18 @@ for k in s["kernels"]:
 for r in s["e2e"]:
     print(f"   e2e {r['mode'] + '/' + r['policy']:<16} batch {r['batch']:>3}: {f(r['tokens_per_s'], '.1f')} tok/s, "
           f"tau {f(r['tau'], '.2f')}")
+if s["rerun"] is None:
+    print("   rerun: the pre-flight failed; fix what it names, then run the whole script again")
+elif s["rerun"]:
+    kept = "" if "--skip build" not in s["rerun"] else "; it keeps this run's build"
+    print(f"   rerun on the still-warm machine (start it within ~30 s{kept}):\n   {s['rerun']}")
+else:
+    print("   rerun: nothing failed")
 PY
 cp -f "$WORK/summary.json" "$WORK/summary.txt" "$OUT/" 2>/dev/null
 archive
 echo "gpu_lease: wrote $OUT/gpu_lease.tar.gz ($(du -h "$OUT/gpu_lease.tar.gz" 2>/dev/null | cut -f1)) in $((SECONDS - T0)) s"
-grep -qvE $'\t(ok|skipped[^\t]*)\t' "$STEPS" && exit 1
+grep -qE $'\t(failed|timeout|skipped \\((build failed|pre-flight failed|budget spent)\\))' "$STEPS" && exit 1
+# GPU mode: a run that ran no kernel has failed whatever its steps say
+[[ $MODE == gpu ]] && ! grep -q '"kernels_ran": true' "$WORK/summary.json" && exit 1
 exit 0
