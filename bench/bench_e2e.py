@@ -17,7 +17,9 @@ single value is used for all) or a preset name ("tau5": tau 5.05 at gamma 7).
 --baseline adds the same target through Hugging Face transformers `generate` (greedy, the same
 weights shared in memory) as mode "hf/generate": the outside baseline of plain decoding.
 --repeats N runs every mode and batch N times, modes interleaved within each repetition, and
-reports medians with the ratios the policy is judged on.
+reports medians with the ratios the policy is judged on. A mode may carry "@exact=0" or
+"@exact=1" (e.g. dspark/fixed@exact=0): that run sets DSPARK_EXACT, so the cost of the
+row-invariant forward is measured against torch's GEMMs in the same run.
 On a machine with a CUDA device but a dspark_rt._C without CUDA kernels it exits 2 before
 measuring: the ops would silently fall back to the reference, and the numbers would read as the
 kernels'.
@@ -28,7 +30,9 @@ kernels'.
         --modes ar/fixed dflash/fixed dspark/fixed dspark/auto --baseline --repeats 3
 """
 import argparse
+import contextlib
 import gc
+import os
 import json
 import statistics
 import sys
@@ -350,7 +354,7 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
-    if torch.cuda.is_available() and "cuda" not in ops.available_backends():
+    if args.device.startswith("cuda") and "cuda" not in ops.available_backends():
         sys.exit(f"bench_e2e: a CUDA device is present but dspark_rt._C has no CUDA kernels (backends "
                  f"{ops.available_backends()}): build with DSPARK_CUDA=1 first; nothing measured")
     if args.model != "shipped" and not args.accept_prob:
@@ -387,9 +391,13 @@ def main(argv=None):
     for rep in range(args.repeats):
         for b in args.batch:
             for mp in modes:  # interleaved: a load that comes and goes hits every mode alike
-                mode, policy = mp.split("/")
-                r = run_hf(models, b, args.max_tokens) if mode == "hf" else \
-                    run(models, mode, policy, b, args.max_tokens)
+                spec, _, exact = mp.partition("@exact=")
+                mode, policy = spec.split("/")
+                with _exact(exact):
+                    r = run_hf(models, b, args.max_tokens) if mode == "hf" else \
+                        run(models, mode, policy, b, args.max_tokens)
+                if exact:
+                    r["policy"] += f"@exact={exact}"
                 r["repeat"] = rep
                 all_rows.append(r)
                 ps = r["phase_share"]
@@ -408,6 +416,27 @@ def main(argv=None):
     if args.plot:
         plot(rows, args.plot, f"throughput vs per-user speed: {label} on {args.device} (labels: batch)")
     return rows
+
+
+@contextlib.contextmanager
+def _exact(value: str):
+    """DSPARK_EXACT=value for one run ("": as the environment says): a mode written
+    "dspark/fixed@exact=0" runs the same decoder with torch's GEMMs, interleaved with the rest,
+    so the cost of row invariance is a ratio within one run."""
+    if not value:
+        yield
+        return
+    if value not in ("0", "1"):
+        sys.exit(f"bench_e2e: @exact= takes 0 or 1, got {value!r}")
+    saved = os.environ.get("DSPARK_EXACT")
+    os.environ["DSPARK_EXACT"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["DSPARK_EXACT"]
+        else:
+            os.environ["DSPARK_EXACT"] = saved
 
 
 def medians(runs):
@@ -436,7 +465,9 @@ def summary(rows, batches) -> str:
     lines = ["median tokens/s  " + "  ".join(f"batch {b:>4}" for b in batches)]
     for m in names:
         lines.append(f"{m:16} " + "  ".join(f"{tps.get((m, b), float('nan')):10.1f}" for b in batches))
-    ratios = [("dspark/auto / max(ar, dspark/fixed)", "dspark/auto", ("ar/fixed", "dspark/fixed")),
+    ratios = [(f"{m[:-len('@exact=0')]} exact / torch GEMMs", m[:-len("@exact=0")], (m,))
+              for m in names if m.endswith("@exact=0")]
+    ratios += [("dspark/auto / max(ar, dspark/fixed)", "dspark/auto", ("ar/fixed", "dspark/fixed")),
               ("dspark/auto / ar", "dspark/auto", ("ar/fixed",)),
               ("dspark/fixed / ar", "dspark/fixed", ("ar/fixed",)),
               ("ar / hf generate, prefill included", "ar/fixed", ("hf/generate",))]
