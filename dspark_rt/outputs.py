@@ -14,6 +14,8 @@ class SpecMetrics:
     acceptance_histogram: list[int] = field(default_factory=list)  # rounds by accepted count 0..gamma
     verified_by_position: list[int] = field(default_factory=list)  # rounds that verified position k
     accepted_by_position: list[int] = field(default_factory=list)  # ... and accepted it
+    num_nonfinite_drafts: int = 0  # rounds rejected at a draft whose q was NaN / inf (the
+                                   # drafter overflowed; the target's token was emitted instead)
 
     def __post_init__(self):
         if not self.acceptance_histogram:
@@ -21,8 +23,9 @@ class SpecMetrics:
             self.verified_by_position = [0] * self.gamma
             self.accepted_by_position = [0] * self.gamma
 
-    def record(self, verified: int, accepted: int):
+    def record(self, verified: int, accepted: int, nonfinite: bool = False):
         self.num_rounds += 1
+        self.num_nonfinite_drafts += bool(nonfinite)
         self.num_draft_tokens += verified
         self.num_accepted_tokens += accepted
         self.acceptance_histogram[accepted] += 1
@@ -36,6 +39,7 @@ class SpecMetrics:
         self.num_rounds += other.num_rounds
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_nonfinite_drafts += other.num_nonfinite_drafts
         for name in ("acceptance_histogram", "verified_by_position", "accepted_by_position"):
             mine = getattr(self, name)
             for i, v in enumerate(getattr(other, name)):
@@ -73,6 +77,7 @@ class SpecMetrics:
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_histogram": list(self.acceptance_histogram),
             "acceptance_by_position": self.acceptance_by_position,
+            "num_nonfinite_drafts": self.num_nonfinite_drafts,
         }
 
 

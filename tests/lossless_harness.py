@@ -115,11 +115,12 @@ class Case:
     T: float
     top_k: int = 0
     top_p: float = 1.0
+    nan_drafts: bool = False  # the drafter reports NaN q at some positions (poison_drafts)
 
     @property
     def id(self) -> str:
         f = (f"-k{self.top_k}" if self.top_k else "") + (f"-p{self.top_p}" if self.top_p < 1 else "")
-        return f"{self.mode}-{self.policy}-{self.head}-T{self.T}{f}"
+        return f"{self.mode}-{self.policy}-{self.head}-T{self.T}{f}" + ("-nan" if self.nan_drafts else "")
 
 
 @dataclass
@@ -149,7 +150,11 @@ def sample(paths, case: Case, n: int, mutant=None, seed0: int = 10_000) -> Sampl
                                   policy=make_policy(case, mutant), dtype="float32")
     params = lambda s: SamplingParams(temperature=case.T, top_k=case.top_k, top_p=case.top_p,
                                       seed=s, max_tokens=N_TOK, ignore_eos=True)
-    with (mutant.patch() if mutant is not None else contextlib.nullcontext()):
+    with contextlib.ExitStack() as stack:
+        if case.nan_drafts:
+            stack.enter_context(Mutant("", "", case, ops_patch={"markov_sample": poison_drafts}).patch())
+        if mutant is not None:
+            stack.enter_context(mutant.patch())
         if case.policy == "async":  # a first batch leaves budgets planned on its survivals
             dec.generate([PROMPT] * (n // 4), [params(seed0 - 1 - i) for i in range(n // 4)],
                          use_tqdm=False)
@@ -244,6 +249,33 @@ def _rows_T(temperature, cu_rows):
     """Per-row temperature [N, 1] in float64 from per-request temperatures and cu_rows."""
     counts = (cu_rows[1:] - cu_rows[:-1]).long()
     return torch.repeat_interleave(temperature.double(), counts)[:, None]
+
+
+def poison_drafts(logits, hidden, anchor, head, **kw):
+    """A drafter that overflows: after sampling, q is NaN at draft position 2 of every request
+    (z and lse) and at position 1 of requests with an even anchor (lse only). Whatever it
+    reports, the output law must stay the target's."""
+    tokens, logprob, lse, conf = _real_markov(logits, hidden, anchor, head, **kw)
+    z = kw.get("out") if kw.get("out") is not None else logits  # where the op wrote z
+    z[:, 1] = float("nan")
+    lse[:, 1] = float("nan")
+    lse[anchor % 2 == 0, 0] = float("nan")
+    return tokens, logprob, lse, conf
+
+
+def nan_draft_through(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw):
+    """The rule before non-finite drafts were rejections: a NaN draft row is tested like any
+    other (u q < P is false) and its residual max(0, P - q) is NaN everywhere, whose argmax is
+    token 0."""
+    acc, out, failed = _real_rejection(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw)
+    if draft_tokens is None:
+        return acc, out, failed
+    ell = (cu_rows[1:] - cu_rows[:-1] - 1).long()
+    rej = torch.nonzero(acc.long() < ell)[:, 0]
+    a = acc.long()[rej]
+    bad = reference.nonfinite_q(draft_logits[rej, a], draft_lse[rej, a])
+    out[rej[bad], a[bad]] = 0
+    return acc, out, failed
 
 
 def emit_from_p(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, **kw):
@@ -355,6 +387,9 @@ MUTANTS = [
     Mutant("filter-one-side", "top-k/top-p applied to plain steps, not to verify rounds",
            Case("dspark", "fixed", "vanilla", 1.0, top_k=3),
            runner_patch={"filter": filter_plain_steps_only}),
+    Mutant("nan-draft-through", "a NaN draft row is tested and emits its NaN residual's argmax",
+           Case("dspark", "fixed", "vanilla", 1.0, nan_drafts=True),
+           ops_patch={"rejection_sample": nan_draft_through}),
     Mutant("threshold-lookahead", "threshold reads the next position's confidence",
            Case("dspark", "threshold", "vanilla", 1.0),
            policy=lambda: ThresholdLookahead(THRESHOLD)),

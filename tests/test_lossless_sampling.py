@@ -23,6 +23,7 @@ noncentrality measured at 10,000 samples, scaled to N, gives the probability of 
 | filter-one-side | top-k applied to plain steps, not verify rounds | 0 (0.02) | 1.00 / 1.00 |
 | threshold-lookahead | verify decision reads the next position's confidence | 4e-258 (1.0) | 1.00 / 1.00 |
 | selector-q-unmasked | DFlash2: q over the whole vocabulary, not its top-k candidates (2026-12-02) | 0 (1.0) | 1.00 / 1.00 |
+| nan-draft-through | a drafter's NaN q row is tested, its NaN residual emits token 0 (2026-12-03) | 0 (1.0) | 1.00 / 1.00 |
 
 The retrospective Algorithm 1 (paper Appendix A; search past the first drop) needs a batch of one
 request to show its bias end to end, too slow here (power 0.5 at 3,000 one-request rounds); it is
@@ -50,6 +51,7 @@ CASES = [
     H.Case("dspark", "auto", "gated", 1.0, top_k=3),
     H.Case("dspark", "fixed", "selector", 1.0),
     H.Case("dspark", "fixed", "selector", 0.6, top_p=0.8),
+    H.Case("dspark", "fixed", "vanilla", 1.0, nan_drafts=True),  # NaN q: rejections, never tokens
 ]
 
 

@@ -170,6 +170,49 @@ def test_rejects_malformed_sglang_sps_table(tmp_path, change, field):
         assert str(path) in str(e.value)
 
 
+@pytest.mark.parametrize("change,field", [
+    ({"max_batch_tokens": 10 ** 10}, "max_batch_tokens"),  # was: a 74.5 GiB allocation
+    ({"max_batch_tokens": 2 ** 63}, "max_batch_tokens"),   # was: loads, every generate raises
+    ({"sample_batch_tokens": [4, 12, 24, 2 ** 40]}, "sample_batch_tokens"),
+    ({"sample_steps_per_sec": [210.0, 1e300, 150.0, 98.25]}, "sample_steps_per_sec"),
+    ({"sample_steps_per_sec": [210.0, float("inf"), 150.0, 98.25]}, "sample_steps_per_sec"),
+])
+def test_sglang_table_numbers_are_bounded(tmp_path, change, field):
+    """Every number is bounded where it is read (sps.MAX_TOKENS, sps.MAX_RATE): the error names
+    the file and the field, and nothing of the table's size is allocated."""
+    path = _write_json(tmp_path / "big.json", {**SGLANG_TABLE, **change})
+    for read in (read_sglang_sps_table, SPSProfile.load):
+        with pytest.raises(ValueError, match=field) as e:
+            read(path)
+        assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("table", [[[1, 100.0], [10 ** 10, 50.0]], [[1, 100.0], [2 ** 63, 50.0]],
+                                   [[1, 100.0], [1e10, 50.0]], [[float("inf"), 1.0]],
+                                   [[float("nan"), 1.0]], [[1, float("inf")]], [[1, 1e300]],
+                                   [[1, "fast"]], [[1]], [1, 2], "1:100", [[True, 1.0]]])
+def test_own_table_numbers_are_bounded(tmp_path, table):
+    """Our format (and so a cached profile) is read the same way: field 'table' named."""
+    path = _write_json(tmp_path / "ours.json", {"format": sps_mod.FORMAT, "version": 1, "key": {},
+                                                "interp": "linear", "table": table})
+    with pytest.raises(ValueError, match="'table'") as e:
+        SPSProfile.load(path)
+    assert str(path) in str(e.value)
+    with pytest.raises(ValueError):
+        SPSProfile([1, sps_mod.MAX_TOKENS + 1], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("field,value", [("interp", ["linear"]), ("interp", "cubic"), ("key", [1, 2]),
+                                         ("key", 3)])
+def test_own_table_fields_are_checked(tmp_path, field, value):
+    d = {"format": sps_mod.FORMAT, "version": 1, "key": {}, "interp": "linear",
+         "table": [[1, 100.0], [8, 90.0]], field: value}
+    path = _write_json(tmp_path / "ours.json", d)
+    with pytest.raises(ValueError, match=f"'{field}'") as e:
+        SPSProfile.load(path)
+    assert str(path) in str(e.value)
+
+
 def test_sglang_additive_table_is_refused(tmp_path):
     path = _write_json(tmp_path / "add.json", {
         "bias_seconds": 0.004, "bs_probes": [1, 8], "alpha_seconds": [0.0, 0.001],

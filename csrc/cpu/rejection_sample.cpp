@@ -7,7 +7,10 @@
 // Target logits may be bfloat16 under float32 drafts (widened on load, exactly). Every verified
 // row is checked for NaN / +inf first (the request's `failed`): one branch-free pass per row,
 // the bytes a separate check over the logits would read, spread over the request's thread.
+// A sampled draft row whose q is not finite (a drafter's NaN / inf) is rejected in full before
+// its acceptance test, and its residual is P itself: the output law stays the target's.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "cpu/kernel_util.h"
@@ -55,7 +58,8 @@ DSPARK_ALWAYS_INLINE int64_t EmitFromRow(const NoiseSite& site, const T* row, in
 }
 
 // argmax_v(log max(0, P(v) - q(v)) + gumbel(emit, position, v)) with
-// P = exp(row / t - lse_p), q = exp(draft / t - lse_q): the token after a rejection.
+// P = exp(row / t - lse_p), q = exp(draft / t - lse_q): the token after a rejection. A draft
+// row rejected in full (q not finite) passes draft = nullptr: q = 0, the residual is P.
 template <class T, class D>
 DSPARK_ALWAYS_INLINE int64_t EmitFromResidual(const PhiloxKey& key, uint32_t position,
                                               const T* row, double lse_p, const D* draft,
@@ -66,7 +70,7 @@ DSPARK_ALWAYS_INLINE int64_t EmitFromResidual(const PhiloxKey& key, uint32_t pos
     const int64_t n = std::min(kSlice, V - v0);
     for (int64_t j = 0; j < n; ++j) {
       const double pv = ExpD(static_cast<double>(Widen(row[v0 + j])) / t - lse_p);
-      const double qv = ExpD(static_cast<double>(draft[v0 + j]) / t - lse_q);
+      const double qv = draft ? ExpD(static_cast<double>(draft[v0 + j]) / t - lse_q) : 0.0;
       const double d = pv - qv;
       resid[j] = d > 0.0 ? d : 0.0;  // NaN -> 0: log 0 = -inf never wins, like NaN
     }
@@ -82,6 +86,16 @@ template <class T>
 DSPARK_ALWAYS_INLINE bool RowFails(const T* row, int64_t V) {
   bool bad = false;
   for (int64_t v = 0; v < V; ++v) bad |= !(Widen(row[v]) < std::numeric_limits<float>::infinity());
+  return bad;
+}
+
+// Whether a draft row's q = exp(z / t - lse) is not finite: lse NaN or +-inf, or z holding
+// NaN or +inf (-inf is a masked entry). Such a row is a rejection, never a token (reference.py
+// nonfinite_q). One branch-free pass, only over rows an acceptance test reaches.
+template <class D>
+DSPARK_ALWAYS_INLINE bool DraftRowFails(const D* z, double lse, int64_t V) {
+  bool bad = !(std::fabs(lse) < std::numeric_limits<double>::infinity());
+  for (int64_t v = 0; v < V; ++v) bad |= !(static_cast<double>(z[v]) < std::numeric_limits<double>::infinity());
   return bad;
 }
 
@@ -122,9 +136,14 @@ DSPARK_ALWAYS_INLINE void RequestImpl(const RejectionSampleParams& p, int64_t r)
       const double lse_q = static_cast<double>(static_cast<const D*>(p.draft_lse)[r * gamma + a]);
       const double lse_p = RowLse(row, V, t);
       const int64_t x = drafts[a];
+      const uint32_t pos = static_cast<uint32_t>(a + 1);
+      if (DraftRowFails(draft, lse_q, V)) {  // rejected in full: y ~ P itself
+        y = EmitFromResidual<T, D>(key, pos, row, lse_p, nullptr, lse_q, V, t);
+        rejected = true;
+        break;
+      }
       const double px = std::exp(static_cast<double>(Widen(row[x])) / t - lse_p);
       const double qx = std::exp(static_cast<double>(draft[x]) / t - lse_q);
-      const uint32_t pos = static_cast<uint32_t>(a + 1);
       const double u = WordToUniform(PhiloxWord(key, kPurposeAccept, pos, 0));
       if (u * qx < px) continue;
       y = EmitFromResidual(key, pos, row, lse_p, draft, lse_q, V, t);

@@ -13,6 +13,9 @@
 //   3. FinishKernel, thread = request: merges the residual partials into y.
 // Coupled requests (DESIGN §2) decide like greedy ones, x_k == y_k, on their rows' Gumbel argmaxes
 // and never sweep a residual.
+// A sampled draft row whose q is not finite (draft_lse NaN or +-inf, a draft logit NaN or +inf:
+// a drafter's overflow) is rejected in full and its residual is P itself (reference.py
+// nonfinite_q). Launch 1 checks the draft rows of those tests as it streams their target rows.
 // The NaN / +inf check of every verified row (the request's `failed`) rides on launch 1's one
 // pass: no separate sweep of the logits. Target logits may be 16-bit under float32 drafts (a
 // bf16 model's verify output as it is: widened in registers, exactly as a cast would), which
@@ -40,8 +43,10 @@ struct RowStat {
   int idx;
   float m;      // log-sum-exp part (sampling.cuh)
   double s;
-  int bad;      // the chunk holds NaN or +inf
+  int bad;      // kTargetBad: the chunk of the target row holds NaN or +inf; kDraftBad: the
+                // chunk of the draft row judged against it does
 };
+constexpr int kTargetBad = 1, kDraftBad = 2;
 
 struct Args {
   const void* target;  // [N, V]
@@ -105,7 +110,7 @@ __device__ __forceinline__ void BlockMerge(ArgMax& am, LogSumExp& lse, float inv
 }
 
 // ---- 1: per-row partials ---------------------------------------------------------------------
-template <class T>
+template <class T, class D>
 __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
   const int ra = blockIdx.x, c = blockIdx.y;
   const int r = ra / (a.gamma + 1), row_k = ra - r * (a.gamma + 1);
@@ -122,17 +127,27 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
   const double td = greedy ? 1.0 : static_cast<double>(tf);
   const T* row = static_cast<const T*>(a.target) + static_cast<int64_t>(lo + row_k) * a.V;
   const int v_end = min(a.V, (c + 1) * kChunk);
+  // NOTE: an acceptance test's draft row is streamed too, for NaN / +inf only (a drafter's
+  // overflow must reject, not emit): 4 more bytes per entry of the rows that run a test.
+  const bool test_row = !greedy && !gumbel_row;
+  const D* drow = test_row ? static_cast<const D*>(a.draft_logits) +
+                                 (static_cast<int64_t>(r) * a.gamma + row_k) * a.V
+                           : nullptr;
 
   ArgMax am;
   am.Init();
   LogSumExp lse;
   lse.Init();
   float best_f = -kInfF;
-  bool bad = false;  // NaN or +inf seen (LoadQuad pads with -inf, which is neither)
+  bool bad = false, dbad = false;  // NaN or +inf seen (LoadQuad pads with -inf, which is neither)
   for (int v = c * kChunk + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
     const int nvalid = min(4, v_end - v);
     const float4 x = LoadQuad(row, v, nvalid, a.vec_t);
     bad |= !(x.x < kInfF) | !(x.y < kInfF) | !(x.z < kInfF) | !(x.w < kInfF);
+    if (test_row) {
+      const float4 z = LoadQuad(drow, v, nvalid, a.vec_d);
+      dbad |= !(z.x < kInfF) | !(z.y < kInfF) | !(z.z < kInfF) | !(z.w < kInfF);
+    }
     if (greedy) {
       const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -145,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
       lse.Add4(x, inv_t);
     }
   }
-  const int any_bad = __syncthreads_or(bad);
+  const int any_bad = (__syncthreads_or(bad) ? kTargetBad : 0) | (__syncthreads_or(dbad) ? kDraftBad : 0);
   BlockMerge(am, lse, inv_t);
   if (threadIdx.x == 0) a.stats[static_cast<int64_t>(ra) * a.C + c] = RowStat{am.best, am.idx, lse.m, lse.s, any_bad};
 }
@@ -161,27 +176,28 @@ __device__ __forceinline__ float ErrBound(float a1, float c) {
 constexpr int kMaxRows = 64;  // gamma + 1 rows of one request (the launcher checks gamma < 64)
 
 // Merges the C chunk partials of one row with the lanes of a warp, in a fixed tree order.
-// Returns whether any chunk of the row holds NaN or +inf (every lane gets it).
-__device__ __forceinline__ bool WarpMergeRow(const RowStat* st, int C, float inv_t, ArgMax& am, LogSumExp& lse) {
+// Returns the OR of the chunks' kTargetBad / kDraftBad flags (every lane gets it).
+__device__ __forceinline__ int WarpMergeRow(const RowStat* st, int C, float inv_t, ArgMax& am, LogSumExp& lse) {
   const int lane = threadIdx.x & 31;
   am.Init();
   lse.Init();
-  bool bad = false;
+  int bad = 0;
   for (int c = lane; c < C; c += 32) {
     const RowStat s = st[c];
     am.Merge(ArgMax{s.best, s.idx});
     lse.Merge(LogSumExp{s.m, s.s}, inv_t);
-    bad |= s.bad != 0;
+    bad |= s.bad;
   }
   am.WarpMerge();
   lse.WarpMerge(inv_t);
-  return __any_sync(0xffffffffu, bad);
+  return (__any_sync(0xffffffffu, bad & kTargetBad) ? kTargetBad : 0) |
+         (__any_sync(0xffffffffu, bad & kDraftBad) ? kDraftBad : 0);
 }
 
 template <class T, class D>
 __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   __shared__ int arg_s[kMaxRows];
-  __shared__ unsigned char ok_s[kMaxRows], bad_s[kMaxRows];
+  __shared__ unsigned char ok_s[kMaxRows], bad_s[kMaxRows], qbad_s[kMaxRows];
   __shared__ double lse_row[kMaxRows];
   __shared__ float m_row[kMaxRows], logs_row[kMaxRows];
   __shared__ int a_s, y_s, rejected_s;
@@ -216,9 +232,10 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   for (int k = warp; k <= ell; k += kWarps) {
     ArgMax am;
     LogSumExp lse;
-    const bool bad = WarpMergeRow(st + k * a.C, a.C, inv_t, am, lse);
+    const int bad = WarpMergeRow(st + k * a.C, a.C, inv_t, am, lse);
     if (lane == 0) {
-      bad_s[k] = bad;
+      bad_s[k] = (bad & kTargetBad) != 0;
+      unsigned char qbad = 0;
       arg_s[k] = am.idx;
       m_row[k] = lse.m;
       logs_row[k] = static_cast<float>(log(lse.s));
@@ -229,14 +246,19 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
         const int64_t x = a.draft_tokens[dk];
         if (by_argmax) {
           ok = x == am.idx;
-        } else if (x >= 0 && x < a.V) {
-          const double P = exp(static_cast<double>(ToFloat(target[static_cast<int64_t>(lo + k) * a.V + x])) / td - lse_row[k]);
-          const double q = exp(static_cast<double>(ToFloat(draft[dk * a.V + x])) / td - static_cast<double>(a.draft_lse[dk]));
-          const double u = WordToUniform(PhiloxWord(key, kPurposeAccept, static_cast<uint32_t>(k + 1), 0));
-          ok = u * q < P;
+        } else {
+          // q not finite: rejected in full (ok stays 0), the residual below is P itself
+          qbad = (bad & kDraftBad) || !(fabs(static_cast<double>(a.draft_lse[dk])) < kInfD);
+          if (!qbad && x >= 0 && x < a.V) {
+            const double P = exp(static_cast<double>(ToFloat(target[static_cast<int64_t>(lo + k) * a.V + x])) / td - lse_row[k]);
+            const double q = exp(static_cast<double>(ToFloat(draft[dk * a.V + x])) / td - static_cast<double>(a.draft_lse[dk]));
+            const double u = WordToUniform(PhiloxWord(key, kPurposeAccept, static_cast<uint32_t>(k + 1), 0));
+            ok = u * q < P;
+          }
         }
       }
       ok_s[k] = ok;
+      qbad_s[k] = qbad;
     }
   }
   __syncthreads();
@@ -281,6 +303,7 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   const float m_t = m_row[acc], log_s = logs_row[acc];
   const int64_t dk = static_cast<int64_t>(r) * a.gamma + acc;
   const double ld = static_cast<double>(a.draft_lse[dk]);
+  const bool q0 = qbad_s[acc];  // q treated as 0: every q term below is 0
   const float cq = static_cast<float>(ld - static_cast<double>(m_t) / td);  // q = exp((z - m_t) / T - cq)
   const T* trow = target + static_cast<int64_t>(lo + acc) * a.V;
   const D* drow = draft + dk * a.V;
@@ -300,9 +323,9 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
     for (int j = 0; j < 4; ++j) {
       const float ap = (xs[j] - m_t) * inv_t, aq = (zs[j] - m_t) * inv_t;
       const float pf = __expf(ap - log_s);
-      const float qf = __expf(aq - cq);
+      const float qf = q0 ? 0.f : __expf(aq - cq);
       // P <= pf (1 + 2 ep) and q >= qf (1 - eq); 1e-4 covers the rounding of diff itself.
-      const float ep = ErrBound(ap, log_s), eq = ErrBound(aq, cq);
+      const float ep = ErrBound(ap, log_s), eq = q0 ? 0.f : ErrBound(aq, cq);
       float diff = (pf - qf) + (1e-4f + 2.f * ep) * pf + (1e-4f + eq) * qf;
       // pf flushed to 0 leaves P below ~2^-125: bound the residual by 2^-124 instead of 0.
       if (pf == 0.f) diff = fmaxf(diff, 4.7e-38f);
@@ -321,7 +344,7 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
       const float sf = ub[j] + GumbelApprox(ws[j]);
       if (sf + ScoreMargin(sf) < best_f) continue;
       const double P = exp(static_cast<double>(xs[j]) / td - lse_t);
-      const double q = exp(static_cast<double>(zs[j]) / td - ld);
+      const double q = q0 ? 0.0 : exp(static_cast<double>(zs[j]) / td - ld);
       const double res = P - q;
       am.Offer(res > 0.0 ? log(res) + GumbelExact(ws[j]) : -kInfD, v + j);
       best_f = fmaxf(best_f, static_cast<float>(am.best));
@@ -374,7 +397,7 @@ Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
   if ((st = scratch.Get(static_cast<size_t>(a.R) * (a.gamma + 1) * a.C, &a.stats)) != Status::kOk) return st;
   if ((st = scratch.Get(static_cast<size_t>(a.R) * a.C, &a.resid)) != Status::kOk) return st;
   if ((st = scratch.Get(static_cast<size_t>(a.R), &a.decision)) != Status::kOk) return st;
-  RowStatsKernel<T><<<dim3(a.R * (a.gamma + 1), a.C), kThreads, 0, stream>>>(a);
+  RowStatsKernel<T, D><<<dim3(a.R * (a.gamma + 1), a.C), kThreads, 0, stream>>>(a);
   if ((st = LaunchStatus()) != Status::kOk) return st;
   DecideKernel<T, D><<<dim3(a.R, a.C), kThreads, 0, stream>>>(a);
   if ((st = LaunchStatus()) != Status::kOk) return st;

@@ -5,6 +5,7 @@ Every problem is a CheckpointError whose message names the file and the field, r
 weight is read.
 """
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -49,6 +50,10 @@ def _get(d, key, src, kind, default=_REQUIRED, *, min_value=None):
           bool: isinstance(v, bool)}[kind]
     if not ok:
         raise CheckpointError(f"{src}: field '{key}' must be {kind.__name__}, got {v!r}")
+    if kind is float:  # JSON's NaN / Infinity, or an int beyond float range
+        v = float(v) if isinstance(v, float) or abs(v) < 2 ** 1023 else math.inf
+        if not math.isfinite(v):
+            raise CheckpointError(f"{src}: field '{key}' must be a finite number, got {d[key]!r}")
     if min_value is not None and v < min_value:
         raise CheckpointError(f"{src}: field '{key}' must be >= {min_value}, got {v!r}")
     return kind(v)
@@ -87,7 +92,7 @@ def _parse_rope(d, src, drafter=False):
     if kind not in allowed:
         raise CheckpointError(f"{src}: rope_scaling type {kind!r} is not supported "
                               f"(supported: {', '.join(allowed)})")
-    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+    if _get(scaling, "partial_rotary_factor", src, float, 1.0) != 1.0:
         raise CheckpointError(f"{src}: field 'partial_rotary_factor' != 1 is not supported")
     if kind == "default":
         return theta, None
@@ -177,9 +182,12 @@ class TargetConfig:
                                   "supported (only silu)")
         layers = _get(d, "num_hidden_layers", src, int, min_value=1)
         if d.get("use_sliding_window") and d.get("sliding_window") and \
-                int(d.get("max_window_layers", 0)) < layers:
+                _get(d, "max_window_layers", src, int, 0) < layers:
             raise CheckpointError(f"{src}: field 'use_sliding_window' = true is not supported")
-        if "sliding_attention" in (d.get("layer_types") or []):
+        kinds = d.get("layer_types") or []
+        if not isinstance(kinds, list):
+            raise CheckpointError(f"{src}: field 'layer_types' must be a list, got {kinds!r}")
+        if "sliding_attention" in kinds:
             raise CheckpointError(f"{src}: field 'layer_types' has sliding_attention layers, "
                                   "which are not supported")
         theta, scaling = _parse_rope(d, src, drafter)

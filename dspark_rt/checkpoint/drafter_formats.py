@@ -54,6 +54,7 @@ dspark_config.py). `DFlash2DraftModel` (candidate selector, dynamic convolution)
 z-lab's packaging when the caller allows it (models/load.py; models/dflash2.py serves it).
 Anything that cannot be served exactly is a CheckpointError naming the field.
 """
+import sys
 from dataclasses import dataclass
 
 from .config import HEAD_TYPES, CheckpointError, TargetConfig, _get, _layer_ids
@@ -228,9 +229,9 @@ def _sts(get, src, gamma):
     if temps is None:
         return None
     if len(temps) != gamma or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                                      and t > 0 for t in temps):
-        raise CheckpointError(f"{src}: field 'sts_temperatures' must hold {gamma} positive numbers "
-                              f"(one per draft position), got {temps!r}")
+                                      and 0 < t <= sys.float_info.max for t in temps):
+        raise CheckpointError(f"{src}: field 'sts_temperatures' must hold {gamma} finite positive "
+                              f"numbers (one per draft position), got {temps!r}")
     return tuple(float(t) for t in temps)
 
 

@@ -225,7 +225,8 @@ class Engine:
         self.calibration.observe(res.conf_logit, res.lengths, res.num_accepted)
         if self.round_log is not None:
             self.round_log.append(self._log_entry(reqs, res))
-        self._commit(reqs, res.out_tokens, res.failed, res.logits, res.cu_rows[:-1], res.lengths)
+        self._commit(reqs, res.out_tokens, res.failed, res.logits, res.cu_rows[:-1], res.lengths,
+                     res.nonfinite)
         for r, f, a, ctx, lost in zip(reqs, res.failed, res.num_accepted, res.context,
                                       res.context_lost):
             if not f:  # anchor and accepted drafts entered the target cache (and, with ctx, the
@@ -235,13 +236,14 @@ class Engine:
         # a request whose target logits hold NaN or +inf fails alone; the others go on
         return {r.request_id: _BAD_LOGITS for r, f in zip(reqs, res.failed) if f}
 
-    def _commit(self, reqs, tokens, failed, logits, row_starts, lengths=None):
+    def _commit(self, reqs, tokens, failed, logits, row_starts, lengths=None, nonfinite=()):
         ok = [i for i, f in enumerate(failed) if not f]
         lp = self.processor.logprobs([reqs[i] for i in ok], [tokens[i] for i in ok], logits,
                                      [row_starts[i] for i in ok], self.runner.to_host)
         for j, i in enumerate(ok):
             self.processor.commit(reqs[i], tokens[i], lp.get(j),
-                                  None if lengths is None else lengths[i])
+                                  None if lengths is None else lengths[i],
+                                  bool(nonfinite) and nonfinite[i])
 
     def _log_entry(self, reqs, res) -> dict:
         return {"request_ids": [r.request_id for r in reqs], "lengths": list(res.lengths),

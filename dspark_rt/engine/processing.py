@@ -75,10 +75,10 @@ class Processor:
     # -- out ---------------------------------------------------------------------------------
 
     def commit(self, req: Request, tokens: list[int], logprobs: list[float] | None,
-               verified: int | None = None):
+               verified: int | None = None, nonfinite: bool = False):
         """Appends a round's emitted tokens (x_1 .. x_a, y), honouring stop tokens, stop
         strings, max_tokens and the context; records the round's metrics (verified: drafts
-        verified, None for round 0)."""
+        verified, None for round 0; nonfinite: rejected at a draft whose q was NaN / inf)."""
         stops = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             stops |= set(self.eos_token_ids)
@@ -99,7 +99,8 @@ class Processor:
         if verified is not None and self.gamma and emitted:
             # a round cut by a stop emitted only some of its tokens: they count as accepted
             # drafts and the round's own token, so the metrics imply exactly the tokens emitted
-            req.metrics.record(verified if emitted == len(tokens) else emitted - 1, emitted - 1)
+            req.metrics.record(verified if emitted == len(tokens) else emitted - 1, emitted - 1,
+                               nonfinite and emitted == len(tokens))
         req.round += 1
 
     @staticmethod

@@ -154,6 +154,9 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     u_k * q_k(x_k) < P_{k-1}(x_k), u_k = uniform(purpose accept, position k, index 0); at the
     first rejection j emit y = argmax(log max(0, P_{j-1} - q_j) + gumbel(emit, position j, v));
     if all l are accepted emit y = argmax(row_l / T + gumbel(emit, position l + 1, v)).
+    A draft row whose q is not finite (draft_lse NaN or +-inf, or a draft logit NaN or +inf;
+    -inf is a masked entry) is a rejection, never a token: its residual is P_{j-1} itself (q = 0),
+    so the output law is the target's whatever the drafter emits (see nonfinite_q).
     Coupled rows (coupled [R] bool / uint8, None = all false; round_ = n0, tokens emitted so
     far), sampled: y_k = argmax(row_{k-1} / T + g_{n0+k}) with g_n the coupled gumbel of output
     index n (philox.site); accept x_k iff x_k == y_k, emit y at the first disagreement, else
@@ -198,7 +201,9 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
                 zt = draft_logits[r, a].to(torch.float64) / T
                 q = torch.exp(zt - float(draft_lse[r, a]))
                 u = float(philox.uniform(*key, philox.PURPOSE_ACCEPT, a + 1, 0))
-                if u * float(q[x]) < float(P[a, x]):
+                if nonfinite_q(draft_logits[r, a], draft_lse[r, a]):
+                    q = torch.zeros_like(q)  # rejected in full: the residual is P itself
+                elif u * float(q[x]) < float(P[a, x]):
                     a += 1
                     continue
                 resid = torch.clamp(P[a] - q, min=0.0)
@@ -213,6 +218,14 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
             out[r, :a] = draft_tokens[r, :a]
         out[r, a] = y
     return num_acc, out, failed
+
+
+def nonfinite_q(z, lse) -> bool | torch.Tensor:
+    """Whether a draft row's q = exp(z / T - lse) is not a distribution the acceptance may use:
+    lse NaN or +-inf, or z holding NaN or +inf (-inf is a masked entry, q = 0 there). z [..., V],
+    lse [...]; a bool tensor over the leading dims (a Python bool for one row)."""
+    bad = ~torch.isfinite(lse) | ~(z < math.inf).all(-1)  # NaN < inf is false
+    return bool(bad) if bad.dim() == 0 else bad
 
 
 def prefix_topk(survival, K: int):

@@ -24,7 +24,9 @@ class Calibration:
         return cls([1.0] * gamma)
 
     def apply(self, conf_logit: torch.Tensor):
-        """conf_logit [R, gamma] -> (c_hat, survival), both float32 [R, gamma], on its device."""
+        """conf_logit [R, gamma] -> (c_hat, survival), both float32 [R, gamma], on its device.
+        A request with a NaN confidence (its drafter overflowed) gets c_hat = survival = 0: it
+        verifies no draft that round (no_nan_rows)."""
         gamma = conf_logit.shape[1]
         if len(self.temperatures) < gamma:
             raise ValueError(f"calibration has {len(self.temperatures)} temperatures, need {gamma}")
@@ -35,11 +37,18 @@ class Calibration:
             z = z + torch.tensor(self.biases[:gamma], dtype=torch.float64).to(conf_logit.device,
                                                                                non_blocking=True)
         c_hat = torch.sigmoid(z / t)
-        return c_hat.float(), torch.cumprod(c_hat, dim=1).float()
+        return no_nan_rows(conf_logit, c_hat.float(), torch.cumprod(c_hat, dim=1).float())
 
     def observe(self, conf_logit, lengths: list[int], num_accepted: list[int]) -> None:
         """A served round's raw confidences [R, gamma] (or None), drafts verified and accepted
         per request. Fixed parameters ignore it; OnlineCalibration (online.py) learns from it."""
+
+
+def no_nan_rows(conf_logit: torch.Tensor, c_hat: torch.Tensor, survival: torch.Tensor):
+    """(c_hat, survival) with the rows of requests whose conf_logit holds NaN set to 0: a NaN
+    confidence counts as confidence 0, and that request drafts nothing."""
+    bad = torch.isnan(conf_logit).any(1, keepdim=True)
+    return c_hat.masked_fill(bad, 0.0), survival.masked_fill(bad, 0.0)
 
 
 class VerifyPolicy:

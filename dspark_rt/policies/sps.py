@@ -18,6 +18,7 @@ limits. `check_profile` compares a loaded profile with the machine as it is now.
 import json
 import logging
 import math
+import reprlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,11 @@ INTERPS = ("linear", "step", "floor")
 # SGLang's DSpark SPS cost table (see read_sglang_sps_table) and its additive variant.
 SGLANG_SPS_FIELDS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")
 SGLANG_ADDITIVE_FIELDS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
+# Every number a table holds is bounded where it is read: B counts the tokens of one verify
+# forward (2**20 is far past any batch; lookups hold 8 bytes per B up to the largest), and no
+# engine runs a billion rounds a second (files only: a measurement of a no-op step may).
+MAX_TOKENS = 1 << 20
+MAX_RATE = 1e9
 # Key fields that must match exactly; the SM clock is compared with a tolerance instead.
 IDENTITY_FIELDS = ("gpu_name", "gpu_uuid", "driver", "model", "dtype", "max_batch", "max_tokens")
 # NVML clock-event reasons that mean the clocks are being pulled down right now.
@@ -53,10 +59,12 @@ class SPSProfile:
         if not self.tokens or len(self.tokens) != len(self.rounds_per_s):
             raise ValueError("SPS profile needs equally many (>= 1) token counts and values, got "
                              f"{len(self.tokens)} and {len(self.rounds_per_s)}")
-        if self.tokens[0] < 1 or any(b >= c for b, c in zip(self.tokens, self.tokens[1:])):
-            raise ValueError(f"SPS token counts must be >= 1 and strictly ascending: {self.tokens}")
+        if self.tokens[0] < 1 or any(b >= c for b, c in zip(self.tokens, self.tokens[1:])) or \
+                self.tokens[-1] > MAX_TOKENS:
+            raise ValueError(f"SPS token counts must lie in [1, {MAX_TOKENS}] and be strictly "
+                             f"ascending: {reprlib.repr(self.tokens)}")
         if not all(math.isfinite(v) and v > 0 for v in self.rounds_per_s):
-            raise ValueError(f"SPS values must be finite and > 0: {self.rounds_per_s}")
+            raise ValueError(f"SPS values must be finite and > 0: {reprlib.repr(self.rounds_per_s)}")
         if self.interp not in INTERPS:
             raise ValueError(f"interp must be one of {INTERPS}, got {self.interp!r}")
 
@@ -122,14 +130,10 @@ class SPSProfile:
     def load(cls, path) -> "SPSProfile":
         """Our JSON (`save`) or SGLang's DSpark SPS cost table (`read_sglang_sps_table`)."""
         d = _read_json_object(path)
-        try:
-            if d.get("format") == FORMAT:
-                return cls.from_pairs(d["table"], d.get("key"), d.get("interp", "linear"))
-            if any(f in d for f in SGLANG_SPS_FIELDS + SGLANG_ADDITIVE_FIELDS):
-                return _from_sglang(d, path)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            msg = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, IndexError)) else str(e)
-            raise ValueError(msg if str(path) in msg else f"{path}: {msg}") from None
+        if d.get("format") == FORMAT:
+            return _from_own(d, path)
+        if any(f in d for f in SGLANG_SPS_FIELDS + SGLANG_ADDITIVE_FIELDS):
+            return _from_sglang(d, path)
         raise ValueError(f"{path}: not an SPS table in a supported format ({SUPPORTED}); "
                          f"found top-level fields {sorted(d)}")
 
@@ -291,11 +295,14 @@ def _from_sglang(d: dict, path, key=None) -> SPSProfile:
     for f in SGLANG_SPS_FIELDS:
         if f not in d:
             raise ValueError(f"{path}: SGLang SPS table lacks field {f!r}")
-    tokens = _numbers(d, "sample_batch_tokens", path, int)
-    values = [float(v) for v in _numbers(d, "sample_steps_per_sec", path, (int, float))]
+    tokens = _numbers(d, "sample_batch_tokens", path, int, MAX_TOKENS)
+    values = [float(v) for v in _numbers(d, "sample_steps_per_sec", path, (int, float), MAX_RATE)]
     max_bt = d["max_batch_tokens"]
     if not isinstance(max_bt, int) or isinstance(max_bt, bool):
         raise ValueError(f"{path}: field 'max_batch_tokens' must be an integer, got {max_bt!r}")
+    if not 1 <= max_bt <= MAX_TOKENS:
+        raise ValueError(f"{path}: field 'max_batch_tokens' must lie in [1, {MAX_TOKENS}], "
+                         f"got {max_bt}")
     if not tokens:
         raise ValueError(f"{path}: field 'sample_batch_tokens' is empty")
     if len(tokens) != len(values):
@@ -315,13 +322,40 @@ def _from_sglang(d: dict, path, key=None) -> SPSProfile:
     return SPSProfile(tokens, values, dict(key or {}), interp="floor")
 
 
-def _numbers(d, name, path, types) -> list:
+def _numbers(d, name, path, types, bound) -> list:
+    """d[name]: a list of `types` (no bools), each at most `bound` in magnitude (NaN refused)."""
     xs = d[name]
     if not isinstance(xs, list) or not all(isinstance(x, types) and not isinstance(x, bool)
                                            for x in xs):
         what = "integers" if types is int else "numbers"
-        raise ValueError(f"{path}: field {name!r} must hold {what}, got {d[name]!r}")
+        raise ValueError(f"{path}: field {name!r} must hold {what}, got {reprlib.repr(xs)}")
+    if not all(-bound <= x <= bound for x in xs):
+        raise ValueError(f"{path}: field {name!r} must hold finite values up to {bound:g}, got "
+                         f"{reprlib.repr(xs)}")
     return xs
+
+
+def _from_own(d: dict, path) -> SPSProfile:
+    """Our JSON (SPSProfile.to_json), every field checked by name."""
+    table, interp, key = d.get("table"), d.get("interp", "linear"), d.get("key") or {}
+    pairs = table if isinstance(table, list) and table else None
+    if pairs is None or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise ValueError(f"{path}: field 'table' must be a non-empty list of [B, rounds_per_s] "
+                         f"pairs, got {reprlib.repr(table)}")
+    try:
+        _numbers({"table": [b for b, _ in pairs]}, "table", path, int, MAX_TOKENS)
+        _numbers({"table": [v for _, v in pairs]}, "table", path, (int, float), MAX_RATE)
+    except ValueError as e:  # name the column too
+        raise ValueError(f"{e} (B must be an int in [1, {MAX_TOKENS}], rounds_per_s a number "
+                         f"in (0, {MAX_RATE:g}])") from None
+    if not isinstance(interp, str) or interp not in INTERPS:
+        raise ValueError(f"{path}: field 'interp' must be one of {INTERPS}, got {interp!r}")
+    if not isinstance(key, dict):
+        raise ValueError(f"{path}: field 'key' must be an object, got {reprlib.repr(key)}")
+    try:
+        return SPSProfile.from_pairs(pairs, key, interp)
+    except ValueError as e:
+        raise ValueError(f"{path}: field 'table': {e}") from None
 
 
 def measure_profile(step_fn, B_values, seconds_budget: float, progress: bool = True, *,

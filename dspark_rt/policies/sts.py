@@ -9,6 +9,8 @@ A positive temperature keeps the ranking of each position's logits.
 """
 import json
 import math
+import reprlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,24 +168,53 @@ class STSResult:
 
     @classmethod
     def load(cls, path) -> "STSResult":
-        d = json.loads(Path(path).read_text())
+        """Our JSON (save), every field checked: errors name the file and the field."""
+        d = _read_json(path)
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} file; read_temperatures also reads SGLang's")
-        temps = [float(t) for t in d["temperatures"]]
+        temps = _finite_list(d.get("temperatures"), path, "temperatures", lo=0.0)
         biases = d.get("biases")  # absent in STS files (version 1 before Platt): all 0
         if biases is not None:
-            if not isinstance(biases, list) or len(biases) != len(temps) or not all(
-                    isinstance(b, (int, float)) and math.isfinite(b) for b in biases):
-                raise ValueError(f"{path}: 'biases' must be a list of {len(temps)} finite numbers")
-            biases = [float(b) for b in biases]
+            biases = _finite_list(biases, path, "biases", n=len(temps))
         table = d.get("survival_table")  # [gamma][bins], non-decreasing rows in [0, 1]
         if table is not None:
-            arr = np.asarray(table, np.float64) if isinstance(table, list) else np.zeros(0)
-            if arr.ndim != 2 or len(arr) != len(temps) or not np.isfinite(arr).all() or \
-                    (arr < 0).any() or (arr > 1).any() or (np.diff(arr, axis=1) < 0).any():
-                raise ValueError(f"{path}: 'survival_table' must be {len(temps)} non-decreasing "
-                                 "rows of numbers in [0, 1]")
-        return cls(temps, d.get("report", []), d.get("metadata", {}), biases, table)
+            rows = table if isinstance(table, list) and len(table) == len(temps) else None
+            ok = rows is not None and all(isinstance(r, list) and r and len(r) == len(rows[0])
+                                          and all(_is_number(x) and 0 <= x <= 1 for x in r)
+                                          and all(a <= b for a, b in zip(r, r[1:])) for r in rows)
+            if not ok:
+                raise ValueError(f"{path}: field 'survival_table' must be {len(temps)} equally long "
+                                 "non-decreasing rows of numbers in [0, 1]")
+        report, meta = d.get("report", []), d.get("metadata", {})
+        if not isinstance(report, list):
+            raise ValueError(f"{path}: field 'report' must be a list, got {reprlib.repr(report)}")
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: field 'metadata' must be an object, got {reprlib.repr(meta)}")
+        if "logit_range" in meta:  # the table's bins span it: finite, lo < hi
+            r = meta["logit_range"]
+            if not (isinstance(r, list) and len(r) == 2 and all(_is_number(x) and math.isfinite(x)
+                                                                 for x in r) and r[0] < r[1]):
+                raise ValueError(f"{path}: field 'logit_range' (in 'metadata') must be [lo, hi], "
+                                 f"finite numbers with lo < hi, got {reprlib.repr(r)}")
+        return cls(temps, report, meta, biases, table)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and \
+        -sys.float_info.max <= x <= sys.float_info.max  # NaN fails both sides
+
+
+def _finite_list(v, path, name, *, n=None, lo=None) -> list[float]:
+    """v as a non-empty list of finite floats (n of them; each > lo), else an error naming the
+    file and field."""
+    ok = isinstance(v, list) and v and (n is None or len(v) == n) and \
+        all(_is_number(x) and (lo is None or x > lo) for x in v)
+    if not ok:
+        what = f"{n} " if n is not None else "a non-empty list of "
+        more = f" > {lo:g}" if lo is not None else ""
+        raise ValueError(f"{path}: field '{name}' must be {what}finite numbers{more}, got "
+                         f"{reprlib.repr(v)}")
+    return [float(x) for x in v]
 
 
 def _nan_to_none(x):
@@ -270,11 +301,11 @@ def read_sglang_sts(path) -> dict:
         if name not in d:
             continue
         v = d[name]
-        numbers = typ is list and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+        numbers = typ is list and all(isinstance(x, float) or _is_number(x)
                                       for x in (v if isinstance(v, list) else []))
         if not isinstance(v, typ) or isinstance(v, bool) or (typ is list and not numbers):
             what = "a list of numbers" if typ is list else f"a JSON {typ.__name__}"
-            raise ValueError(f"{path}: field {name!r} must be {what}, got {v!r}")
+            raise ValueError(f"{path}: field {name!r} must be {what}, got {reprlib.repr(v)}")
         out[name] = [float(x) for x in v] if typ is list else v
     temps = out["temperatures"]
     if not temps or not all(math.isfinite(t) and t > 0 for t in temps):
@@ -304,7 +335,7 @@ def write_sglang_sts(path, temperatures, *, dataset: str = "", num_samples: int 
 def _read_json(path):
     try:
         return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not JSON ({e}); supported: {SUPPORTED}") from None
 
 

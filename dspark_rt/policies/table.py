@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .base import Calibration
+from .base import Calibration, no_nan_rows
 
 LO, HI, NB = -16.0, 16.0, 64  # bins of the survival logit L_k (0.5 wide)
 
@@ -17,6 +17,7 @@ def survival_logit(z: np.ndarray) -> np.ndarray:
 
 
 def _bins(L, lo, hi, nb):
+    L = np.where(np.isnan(L), -np.inf, L)  # a NaN confidence counts as confidence 0
     return np.clip(np.floor((L - lo) * (nb / (hi - lo))), 0, nb - 1).astype(np.int64)
 
 
@@ -45,14 +46,16 @@ class TableCalibration(Calibration):
         if len(self.table) < gamma:
             raise ValueError(f"calibration table has {len(self.table)} positions, need {gamma}")
         tab = self._device_table(conf_logit.device)[:gamma]                 # [gamma, nb]
-        ls = torch.cumsum(torch.nn.functional.logsigmoid(conf_logit.to(torch.float64)), 1)
+        z = conf_logit.to(torch.float64)
+        z = z.masked_fill(torch.isnan(z), -torch.inf)  # NaN: confidence 0 (no bad bin index)
+        ls = torch.cumsum(torch.nn.functional.logsigmoid(z), 1)
         L = ls - torch.log(-torch.expm1(ls.clamp(max=-1e-300)))               # [R, gamma]
         idx = ((L - self.lo) * (tab.shape[1] / (self.hi - self.lo))).floor()
         idx = idx.clamp(0, tab.shape[1] - 1).long()
         a = torch.cummin(tab.gather(1, idx.T).T, 1).values                   # [R, gamma]
         prev = torch.cat([torch.ones_like(a[:, :1]), a[:, :-1]], 1)
         c_hat = a / prev.clamp(min=1e-300)  # a <= prev: 0 where prev is 0
-        return c_hat.float(), a.float()
+        return no_nan_rows(conf_logit, c_hat.float(), a.float())
 
     def _device_table(self, device):
         c = getattr(self, "_cache", None)  # holds the list it was made from: no id reuse

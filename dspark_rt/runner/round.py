@@ -45,6 +45,8 @@ class RoundResult:
     context: list[bool] = field(default_factory=list)       # drafter context written up to the
                                                             # committed positions (else deferred)
     context_lost: list[bool] = field(default_factory=list)  # deferred features dropped
+    nonfinite: list[bool] = field(default_factory=list)     # rejected at a draft whose q was
+                                                            # NaN / inf (a drafter's overflow)
 
 
 @dataclass
@@ -219,20 +221,27 @@ class Round:
                 raw = logits.clone()  # logprobs are the target's raw log-probabilities
             logits = runner.filter(batch, logits, plan.cu)
         acc, out, failed = self.sample(runner, draft, plan, logits, rng)
+        # drafts whose q is not finite (rejected in full by the acceptance), read with the rest
+        bad_q = () if draft is None else (~torch.isfinite(draft.lse),)
         if plan.device is None:
-            acc, toks, failed, _ = runner.read_results(acc, out, failed)
+            acc, toks, failed, extra = runner.read_results(acc, out, failed, extra=bad_q)
             lengths, cu = plan.lengths, plan.cu
         else:
             dev_lengths, survival, K, source, caps = plan.device
             acc, toks, failed, extra = runner.read_results(acc, out, failed,
-                                                           extra=(dev_lengths, survival))
+                                                           extra=(dev_lengths, survival) + bad_q)
             lengths = extra[:, 0].long().tolist()
             cu = [0]
             for n in lengths:
                 cu.append(cu[-1] + n + 1)
-            policy.observe(extra[:, 1:].float(), torch.tensor(caps), lengths, K, source)
+            S = 1 + survival.reshape(len(lengths), -1).shape[1]  # columns: length, survivals
+            policy.observe(extra[:, 1:S].float(), torch.tensor(caps), lengths, K, source)
+            extra = extra[:, S:]
         conf = draft.conf_logit if draft is not None else None
-        return RoundResult(acc, toks, failed, lengths, raw, cu, conf)
+        res = RoundResult(acc, toks, failed, lengths, raw, cu, conf)
+        if draft is not None:  # the row of a rejection (a < l) whose q was not finite
+            res.nonfinite = [a < n and bool(row[a] > 0) for a, n, row in zip(acc, lengths, extra.tolist())]
+        return res
 
     def sample(self, runner, draft: Draft | None, plan: Verify, logits, rng):
         """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1])."""

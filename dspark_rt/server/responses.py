@@ -31,6 +31,7 @@ def spec_metrics(m: SpecMetrics) -> dict:
         "num_accepted_draft_tokens": m.num_accepted_tokens,
         "num_draft_tokens": m.num_draft_tokens,
         "num_accepted_tokens_per_pos": list(m.accepted_by_position),
+        "num_nonfinite_drafts": m.num_nonfinite_drafts,
     }}
 
 
