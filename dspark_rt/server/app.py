@@ -137,7 +137,8 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
         if e.param == "prompt":
             e.param = g.prompt_field
         raise
-    body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop)
+    body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop,
+                g.params.skip_special_tokens)
     if g.stream:
         return StreamingResponse(_stream(state, sub, body, g.include_usage),
                                  media_type="text/event-stream")
