@@ -61,6 +61,9 @@ async def _json(request: Request, limit: int):
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:  # nested deeper than the interpreter's recursion limit
+        raise APIError(400, "the request body is not valid JSON here: it nests arrays / objects "
+                       "deeper than this server reads") from None
 
 
 async def _disconnected(request: Request):
