@@ -6,37 +6,20 @@ import json
 from importlib.resources import files
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from dspark_rt import SamplingParams
 from dspark_rt.checkpoint.tokenizer import Tokenizer
 from dspark_rt.server.protocol import APIError, GenRequest, parse_chat, parse_completion
+from tests.fuzz_support import FUZZ, JUNK, NASTY, VALUE
 
 TARGET = str(files("dspark_rt") / "pretrained" / "target")
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-
 SAMPLING = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
             "seed", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
             "logit_bias", "stop", "stop_token_ids", "ignore_eos", "speculative", "stream",
             "stream_options"]
 COMPLETION = SAMPLING + ["prompt", "echo", "suffix", "logprobs"]
 CHAT = SAMPLING + ["messages", "tools", "response_format", "logprobs", "top_logprobs"]
-
-# what JSON can hold: non-finite floats (Python's json reads NaN / Infinity), integers of
-# hundreds of digits, lone surrogates ("\ud800" is valid JSON), nested junk
-_text = st.text(st.characters(codec=None, categories=None), max_size=8)
-_scalar = (st.none() | st.booleans() | st.integers() | st.integers(-2**1100, 2**1100)
-           | st.floats(allow_nan=True, allow_infinity=True) | _text
-           | st.sampled_from(["", "text", "user", "hi", 0, 1, -1, 2**64, 1e308, "\ud800", 10**400]))
-JUNK = st.recursive(_scalar, lambda kids: st.lists(kids, max_size=4)
-                    | st.dictionaries(st.sampled_from(["role", "content", "type", "text",
-                                                       "include_usage", "x"]) | _text, kids,
-                                      max_size=4), max_leaves=12)
-VALUE = st.one_of(_scalar, JUNK)  # half scalars: the recursive strategy favours containers
-# every field also meets each of these, deterministically
-NASTY = [float("nan"), float("inf"), -float("inf"), 10**400, -10**400, 2**64, -1, 0, True, 1.5,
-         "x", "", "\ud800", [], [None], {}, {"x": [1]}, [[[[["deep"]]]]], [10**400], ["\ud800"]]
 
 
 @pytest.fixture(scope="module")
