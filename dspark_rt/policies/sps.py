@@ -277,9 +277,12 @@ def write_sglang_sps_table(profile: SPSProfile, path) -> Path:
 
 def _read_json_object(path) -> dict:
     try:
-        d = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not JSON ({e}); supported: {SUPPORTED}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not readable JSON (nested deeper than the interpreter's "
+                         f"recursion limit); supported: {SUPPORTED}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: top level is a {type(d).__name__}, expected an object; "
                          f"supported: {SUPPORTED}")
