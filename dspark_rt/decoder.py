@@ -184,14 +184,13 @@ class Decoder:
         # "auto": the checkpoint's half dtype on a GPU, float32 on the CPU (models.qwen3.pick_dtype)
         dt = None if dtype is None or (isinstance(dtype, str) and dtype == "auto") else resolve_dtype(dtype)
         tok = Tokenizer.from_pretrained(target) if (Path(target) / "tokenizer.json").exists() else None
+        if isinstance(tensor_parallel_size, bool) or \
+                not isinstance(tensor_parallel_size, numbers.Integral) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         if tensor_parallel_size != 1:
-            if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
-                    or tensor_parallel_size < 1:
-                raise ValueError(f"tensor_parallel_size must be a positive int, got "
-                                 f"{tensor_parallel_size!r}")
             from .parallel import TensorParallel
             dt = pick_dtype(TargetConfig.from_json(target), dt, device)
-            tp = TensorParallel(tensor_parallel_size, target, drafter, dt, device)
+            tp = TensorParallel(int(tensor_parallel_size), target, drafter, dt, device)
             try:
                 return cls(tp.target, tp.drafter, tok, device=device, tensor_parallel=tp, **kwargs)
             except BaseException:

@@ -4,6 +4,7 @@ tests need 2 GPUs."""
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +97,44 @@ def test_a_failing_worker_is_an_error_naming_it(pair):
     g.group.send(("no such command", 0))
     with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) exited with code 1"):
         dec.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+
+
+def test_ctrl_c_in_a_call_shuts_the_group_down(pair):
+    """Ctrl-C inside a call the ranks run together (here: KeyboardInterrupt from the leader's
+    third all-reduce) leaves the worker inside a collective. The interrupt reaches the caller,
+    and the next call is a clear error within seconds, not a hang."""
+    g = group("interrupted", *pair)
+    dec = Decoder(g.target, g.drafter, None, tensor_parallel=g, mode="dspark")
+    real, calls = g.group.all_reduce, []
+
+    def interrupt(x):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(x)
+
+    g.group.all_reduce = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        dec.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    g.group.all_reduce = real
+    errors = []
+
+    def next_call():
+        try:
+            dec.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    t = threading.Thread(target=next_call, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    if t.is_alive():  # unblock the hung call's collective before failing
+        for p in g.procs:
+            p.kill()
+        pytest.fail("the call after a KeyboardInterrupt hung for 30 s")
+    assert len(errors) == 1 and isinstance(errors[0], WorkerError), errors
+    assert "KeyboardInterrupt" in str(errors[0]) and "shut down" in str(errors[0])
+    assert all(p.poll() is not None for p in g.procs)
 
 
 def _two_gpus():

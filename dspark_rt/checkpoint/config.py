@@ -16,6 +16,8 @@ ROPE_TYPES = ("default", "linear", "llama3")
 _ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
 _REQUIRED = object()
+# far past any model (the largest have a few hundred layers); loaders build per-layer lists
+MAX_LAYERS = 1 << 14
 
 
 class CheckpointError(ValueError):
@@ -28,8 +30,11 @@ def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             out = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not readable JSON (nested deeper than the interpreter's "
+                              "recursion limit)") from None
     if not isinstance(out, dict):
         raise CheckpointError(f"{path}: expected a JSON object at the top level")
     return out
@@ -39,7 +44,15 @@ def _config_path(path: str) -> str:
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
-def _get(d, key, src, kind, default=_REQUIRED, *, min_value=None):
+def architectures(d, src) -> list[str]:
+    """The config's `architectures` labels (absent: none)."""
+    archs = d.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{src}: field 'architectures' must be a list of strings, got {archs!r}")
+    return archs
+
+
+def _get(d, key, src, kind, default=_REQUIRED, *, min_value=None, max_value=None):
     if key not in d or d[key] is None:
         if default is _REQUIRED:
             raise CheckpointError(f"{src}: required field '{key}' is missing")
@@ -56,6 +69,8 @@ def _get(d, key, src, kind, default=_REQUIRED, *, min_value=None):
             raise CheckpointError(f"{src}: field '{key}' must be a finite number, got {d[key]!r}")
     if min_value is not None and v < min_value:
         raise CheckpointError(f"{src}: field '{key}' must be >= {min_value}, got {v!r}")
+    if max_value is not None and v > max_value:
+        raise CheckpointError(f"{src}: field '{key}' must be <= {max_value}, got {v!r}")
     return kind(v)
 
 
@@ -115,10 +130,11 @@ def _parse_rope(d, src, drafter=False):
 
 
 def _arch(d, src):
-    for name in d.get("architectures") or []:
+    for name in architectures(d, src):
         if name in _ARCHS:
             return _ARCHS[name]
-    if not d.get("architectures") and d.get("model_type") in _MODEL_TYPES:
+    if not d.get("architectures") and isinstance(d.get("model_type"), str) and \
+            d["model_type"] in _MODEL_TYPES:
         return _MODEL_TYPES[d["model_type"]]
     raise CheckpointError(f"{src}: field 'architectures' = {d.get('architectures')!r} names no "
                           f"supported target (supported: {', '.join(_ARCHS)})")
@@ -180,7 +196,7 @@ class TargetConfig:
         if d.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{src}: field 'hidden_act' = {d['hidden_act']!r} is not "
                                   "supported (only silu)")
-        layers = _get(d, "num_hidden_layers", src, int, min_value=1)
+        layers = _get(d, "num_hidden_layers", src, int, min_value=1, max_value=MAX_LAYERS)
         if d.get("use_sliding_window") and d.get("sliding_window") and \
                 _get(d, "max_window_layers", src, int, 0) < layers:
             raise CheckpointError(f"{src}: field 'use_sliding_window' = true is not supported")

@@ -57,7 +57,8 @@ Anything that cannot be served exactly is a CheckpointError naming the field.
 import sys
 from dataclasses import dataclass
 
-from .config import HEAD_TYPES, CheckpointError, TargetConfig, _get, _layer_ids
+from .config import (HEAD_TYPES, MAX_LAYERS, CheckpointError, TargetConfig, _get, _layer_ids,
+                     architectures)
 
 __all__ = ["Fields", "parse", "PACKAGINGS"]
 
@@ -110,7 +111,7 @@ def _is_dflash2(d, archs, nested):
 
 
 def parse(d: dict, src: str, allow_dflash2: bool = False) -> Fields:
-    archs = [str(a) for a in (d.get("architectures") or [])]
+    archs = architectures(d, src)
     nested = {k: d[k] for k in ("dflash_config", "dspark_config") if isinstance(d.get(k), dict)}
     if _is_dflash2(d, archs, nested):
         what = (f"{src}: field 'architectures' = {archs!r} / dflash_config "
@@ -149,11 +150,11 @@ def _layer_config(d: dict, src: str, *, trust_layer_types: bool) -> tuple:
         rp = d.get(key)
         if isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) == "default":
             d[key] = {k: v for k, v in rp.items() if k != "partial_rotary_factor"}
-    n = _get(d, "num_hidden_layers", src, int, min_value=1)
+    n = _get(d, "num_hidden_layers", src, int, min_value=1, max_value=MAX_LAYERS)
     kinds = d.get("layer_types")
     if not kinds:  # transformers' Qwen3Config derives them: sliding from max_window_layers on
         sliding = d.get("sliding_window") if d.get("use_sliding_window") else None
-        first = d.get("max_window_layers", 0) or 0
+        first = _get(d, "max_window_layers", src, int, 0)
         kinds = ["sliding_attention" if sliding is not None and i >= first else "full_attention"
                  for i in range(n)]
     if not isinstance(kinds, list) or len(kinds) != n or \
@@ -174,13 +175,14 @@ def _layer_config(d: dict, src: str, *, trust_layer_types: bool) -> tuple:
 
 def _with_class_defaults(tl: dict, src: str) -> dict:
     kind = tl.get("model_type", "qwen3")
-    if kind not in _CLASS_DEFAULTS:
+    if not isinstance(kind, str) or kind not in _CLASS_DEFAULTS:
         raise CheckpointError(f"{src}: field 'transformer_layer_config.model_type' = {kind!r} is "
                               f"not supported ({', '.join(_CLASS_DEFAULTS)})")
     out = {**_CLASS_DEFAULTS[kind], **{k: v for k, v in tl.items() if v is not None}}
     out.setdefault("num_key_value_heads", out["num_attention_heads"])
-    if kind == "llama":
-        out.setdefault("head_dim", out["hidden_size"] // out["num_attention_heads"])
+    if kind == "llama" and "head_dim" not in out:  # derived as LlamaConfig does, from checked ints
+        out["head_dim"] = _get(out, "hidden_size", src, int, min_value=1) // \
+            _get(out, "num_attention_heads", src, int, min_value=1)
     return out
 
 
@@ -310,7 +312,7 @@ def _nested(d, nested, src):
                     confidence_head_with_markov=True) if is_dspark else \
         dict(markov_rank=0, enable_confidence_head=False)
     dflash2 = None
-    if _is_dflash2(d, [str(a) for a in d.get("architectures") or []], nested):
+    if _is_dflash2(d, architectures(d, src), nested):
         dflash2 = {k: get(k, int, min_value=1) for k in _DFLASH2_KEYS}
         dflash2.update(output_multiplier=get("output_multiplier", float, 1.0),
                        final_logit_softcapping=get("final_logit_softcapping", float, 0.0))
@@ -392,6 +394,9 @@ def _speculative_tokens(d, src):
     if not isinstance(sc, dict):
         return None
     methods = sc.get("proposal_methods") or []
+    if not isinstance(methods, list):
+        raise CheckpointError(f"{src}: field 'speculators_config.proposal_methods' must be a list, "
+                              f"got {methods!r}")
     if not methods or not isinstance(methods[0], dict) or methods[0].get("speculative_tokens") is None:
         return None
     return _get(methods[0], "speculative_tokens", src, int, min_value=1)

@@ -57,7 +57,7 @@ class TensorParallel:
         Shard(tcfg, 0, size)
         if drafter:
             Shard(DrafterConfig.from_json(drafter, allow_dflash2=True).model, 0, size)
-        self.size, self.procs, self.runners, self.closed = size, [], {}, False
+        self.size, self.procs, self.runners, self.closed, self.why = size, [], {}, False, ""
         backend = "nccl" if device.type == "cuda" else "gloo"
         spec = {"target": str(target), "drafter": str(drafter) if drafter else None,
                 "dtype": str(dtype).removeprefix("torch."), "device": device.type,
@@ -147,7 +147,7 @@ class TensorParallel:
     def check(self):
         """Raises WorkerError when the group is closed or a worker has exited."""
         if self.closed:
-            raise WorkerError("the tensor-parallel group is shut down")
+            raise WorkerError(f"the tensor-parallel group is shut down{self.why}")
         for rank, p in enumerate(self.procs, 1):
             if p.poll() is not None:
                 self.shutdown()
@@ -157,9 +157,16 @@ class TensorParallel:
     def failed(self, error: BaseException):
         """A call failed on the leader. The ranks are out of step from then on, so the group
         stops; the error names a dead worker when one is the cause (it usually is: a peer that
-        is gone fails the leader's collective), else the leader's own failure."""
+        is gone fails the leader's collective), else the leader's own failure. An interrupt
+        (KeyboardInterrupt, SystemExit) stops the group at once and returns, so the caller
+        re-raises it; the next call then raises WorkerError naming it."""
         if isinstance(error, WorkerError):
             raise error
+        if not isinstance(error, Exception):
+            self.why = (f" ({type(error).__name__} interrupted a call the ranks run together; "
+                        "build a new Decoder)")
+            self.shutdown(stop=False)  # the workers sit in a collective: kill them
+            return
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
             time.sleep(0.05)

@@ -42,9 +42,9 @@ class ParallelRunner(Runner):
             if self.group.leader:
                 self.group.send((command, self.runner_id) + args)
             yield
-        except Exception as e:
+        except BaseException as e:  # KeyboardInterrupt too: the workers are out of step
             if self.tensor_parallel is not None:
-                self.tensor_parallel.failed(e)  # raises WorkerError when a worker is gone
+                self.tensor_parallel.failed(e)  # raises WorkerError unless e is an interrupt
             raise
         finally:
             self._agree -= 1

@@ -65,6 +65,7 @@ cannot pay even then, new requests there are not explored.
 import numpy as np
 import torch
 
+from .base import int_arg
 from .prefix import SyncScheduler, _as_profile, candidates, ranked
 
 
@@ -107,8 +108,7 @@ class AutoPolicy(SyncScheduler):
             1.0 / self.context.dense(self.context.max_tokens)  # [M + 1] seconds per B positions
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay!r}")
-        if explore_every < 0:
-            raise ValueError(f"explore_every must be >= 0, got {explore_every!r}")
+        explore_every = int_arg("explore_every", explore_every, 0)
         if not 0.0 < explore_share <= 1.0:
             raise ValueError(f"explore_share must lie in (0, 1], got {explore_share!r}")
         if not 0.0 < explore_budget <= 1.0:

@@ -6,9 +6,18 @@ verify: its own target token must still fit), and returns lengths l_r in [0, min
 It must not look at the draft tokens beyond what the confidences carry: that keeps acceptance
 lossless (DESIGN §4).
 """
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+
+def int_arg(name: str, v, lo: int) -> int:
+    """v as an int >= lo (numpy ints too); a bool or a float is a ValueError naming the argument
+    (True is an int to Python and would silently run as 1)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return int(v)
 
 
 @dataclass

@@ -24,7 +24,7 @@ method on the log loss; in Calibration's form sigmoid((z + b) / t): t = 1 / w, b
 import numpy as np
 import torch
 
-from .base import Calibration
+from .base import Calibration, int_arg
 from .table import HI, LO, NB, TableCalibration, _bins, survival_logit
 
 W_MIN, W_MAX = 0.02, 50.0                           # Platt: t in [0.02, 50], w > 0 keeps ranking
@@ -155,6 +155,8 @@ class OnlineCalibration(TableCalibration):
     def __init__(self, base: Calibration | None, gamma: int, *, refit_every: int = 32,
                  half_life: float = 512.0, prior: float = 1.0, min_labels: int = 64,
                  record: bool = False):
+        gamma, refit_every = int_arg("gamma", gamma, 1), int_arg("refit_every", refit_every, 1)
+        min_labels = int_arg("min_labels", min_labels, 0)
         base = base or Calibration.identity(gamma)
         if len(base.temperatures) < gamma:
             raise ValueError(f"calibration has {len(base.temperatures)} temperatures, need {gamma}")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from .base import VerifyPolicy
+from .base import VerifyPolicy, int_arg
 from .sps import SPSProfile
 
 
@@ -69,7 +69,7 @@ class _Scheduler(VerifyPolicy):
 
     def __init__(self, sps, max_tokens: int | None = None):
         self.sps = _as_profile(sps)
-        self.max_tokens = self.sps.max_tokens if max_tokens is None else int(max_tokens)
+        self.max_tokens = self.sps.max_tokens if max_tokens is None else int_arg("max_tokens", max_tokens, 1)
         if not 1 <= self.max_tokens <= self.sps.max_tokens:
             raise ValueError(f"max_tokens must lie in [1, {self.sps.max_tokens}] (the profile's "
                              f"largest B), got {max_tokens}")

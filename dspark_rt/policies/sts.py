@@ -334,9 +334,12 @@ def write_sglang_sts(path, temperatures, *, dataset: str = "", num_samples: int 
 
 def _read_json(path):
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not JSON ({e}); supported: {SUPPORTED}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not readable JSON (nested deeper than the interpreter's "
+                         f"recursion limit); supported: {SUPPORTED}") from None
 
 
 def reliability_diagram(conf_logits, accepted, verified, temperatures, path, *,

@@ -5,6 +5,7 @@ is runner/round.py.
 Modes: "ar" verifies only the anchor (plain decoding), "dflash" drafts with the backbone alone
 and verifies every draft, "dspark" adds the sequential head and the confidence head.
 """
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -73,8 +74,9 @@ class Runner:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode != "ar" and drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter checkpoint")
-        if not isinstance(page_size, int) or page_size < 1:
+        if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        page_size = int(page_size)
         self.target, self.drafter, self.mode = target, (drafter if mode != "ar" else None), mode
         self.page_size, self.device = page_size, torch.device(device)
         self.max_len = target.config.max_position_embeddings

@@ -61,6 +61,9 @@ async def _json(request: Request, limit: int):
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:  # nested deeper than the interpreter's recursion limit
+        raise APIError(400, "the request body is not valid JSON here: it nests arrays / objects "
+                       "deeper than this server reads") from None
 
 
 async def _disconnected(request: Request):
@@ -137,7 +140,8 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
         if e.param == "prompt":
             e.param = g.prompt_field
         raise
-    body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop)
+    body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop,
+                g.params.skip_special_tokens)
     if g.stream:
         return StreamingResponse(_stream(state, sub, body, g.include_usage),
                                  media_type="text/event-stream")

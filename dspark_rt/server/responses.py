@@ -74,14 +74,17 @@ class Logprobs:
 
 
 class Body:
-    """Builds one request's responses: the whole body, or its stream chunks."""
+    """Builds one request's responses: the whole body, or its stream chunks. stops and
+    skip_special_tokens: the request's SamplingParams fields (the stream's text is decoded as
+    the engine decodes the whole text)."""
 
-    def __init__(self, kind: str, model: str, tokenizer, want_logprobs: bool, stops):
+    def __init__(self, kind: str, model: str, tokenizer, want_logprobs: bool, stops,
+                 skip_special_tokens: bool):
         self.kind, self.model, self.id = kind, model, new_id(kind)
         self.created = int(time.time())
         self.lp = Logprobs(tokenizer) if want_logprobs else None
         self.tok = tokenizer
-        self.text = IncrementalText(tokenizer) if tokenizer is not None else None
+        self.text = IncrementalText(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = ""        # text streamed so far
         self.first = True
