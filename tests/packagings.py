@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["read", "deepspec_stock", "forked_label", "speculators", "specforge", "zlab",
-           "with_fields", "conf_without_bias", "interleaved", "masked_vocab_canonical"]
+__all__ = ["read", "deepspec_stock", "forked_label", "speculators", "specforge", "specforge_sglang",
+           "zlab", "with_fields", "conf_without_bias", "interleaved", "masked_vocab_canonical"]
 
 _LAYER_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
@@ -169,24 +169,77 @@ def masked_vocab_canonical(src, out, draft_ids) -> str:
     return _write(out, cfg, t)
 
 
-def specforge(src, out, *, rope_scaling=None) -> str:
-    """SpecForge DSpark: `DSparkDraftModel` label, DSpark fields nested in `dflash_config`,
-    DFlash's 1+N block (no sample_from_anchor), no embedding / LM head in the file
-    (sgl-project/SpecForge configs/qwen3-8b-dspark.json)."""
+# What SpecForge's `export --to hf` writes (sgl-project/SpecForge, main of 2026-08):
+# specforge/export/to_hf.py export_to_hf builds the draft from the user's draft config
+# (modeling/auto.py AutoDraftModelConfig.from_file: tie_word_embeddings forced False,
+# draft_vocab_size = vocab_size when absent), loads the trained tensors unchanged ("trained keys
+# win"; a DFlash-family draft owns no embedding), and saves it with save_pretrained (transformers 5:
+# rope_parameters, dtype); export/checkpoint_io.py apply_legacy_rope_scaling then mirrors
+# rope_theta and a non-default rope_parameters into rope_scaling. DSparkDraftModel.__init__
+# (modeling/draft/dspark.py) adds dflash_config.attention_mode and projector_type "dspark"; the
+# other dflash_config keys are the user's, read with dspark.py's defaults (markov_rank 0,
+# enable_confidence_head = confidence_head_alpha > 0, confidence_head_with_markov False).
+# target_layer_ids are target layer indices (dflash.py extract_context_feature reads
+# hidden_states[id + 1]), as in DeepSpec. The block is anchor-first, as in DeepSpec: the DSpark
+# objective labels slot k with anchor + k + 1 (algorithms/common/dflash_family_model.py
+# OnlineDSparkModel._build_dspark_labels_and_mask), and nothing in the file says so.
+_SPECFORGE_LAYER_KEYS = ("attention_bias", "attention_dropout", "bos_token_id", "eos_token_id",
+                         "head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types",
+                         "max_position_embeddings", "max_window_layers", "model_type",
+                         "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+                         "rms_norm_eps", "sliding_window", "use_sliding_window", "vocab_size")
+
+
+def specforge(src, out, *, rope_scaling=None, minimal=False) -> str:
+    """A DeepSpec-trained drafter as SpecForge's exporter writes it (see above): `DSparkDraftModel`,
+    head fields nested in `dflash_config`, no embedding / LM head. minimal: the draft config
+    gave only mask_token_id and target_layer_ids (configs/qwen3-8b-dflash.json's shape), the
+    head fields left to SpecForge's defaults (a drafter without heads only)."""
     cfg, t = read(src)
-    nested = {"mask_token_id": cfg.pop("mask_token_id"),
-              "target_layer_ids": cfg.pop("target_layer_ids"), "projector_type": "dspark"}
+    out_cfg = {k: cfg[k] for k in _SPECFORGE_LAYER_KEYS if k in cfg}
+    nested = {"attention_mode": "gqa", "mask_token_id": cfg["mask_token_id"],
+              "target_layer_ids": cfg["target_layer_ids"], "projector_type": "dspark"}
+    rank, conf = cfg.get("markov_rank", 0), cfg.get("enable_confidence_head", False)
+    if minimal:
+        if rank or conf:
+            raise ValueError("minimal writes drafters without a Markov or confidence head")
+    else:
+        nested.update(markov_rank=rank, enable_confidence_head=conf,
+                      confidence_head_alpha=1.0 if conf else 0.0,
+                      confidence_head_with_markov=cfg.get("confidence_head_with_markov", False))
+        if rank:
+            nested["markov_head_type"] = cfg["markov_head_type"]
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    if rope_scaling is not None:
+        rope = {**rope_scaling, "rope_theta": cfg["rope_theta"]}
+    out_cfg.update(architectures=["DSparkDraftModel"],
+                   auto_map={"AutoModel": "dspark.DSparkDraftModel"},
+                   block_size=cfg["block_size"], num_target_layers=cfg["num_target_layers"],
+                   dflash_config=nested, draft_vocab_size=cfg["vocab_size"], dtype="bfloat16",
+                   initializer_range=0.02, pad_token_id=None, tie_word_embeddings=False,
+                   use_cache=True, transformers_version="5.8.1", rope_parameters=rope,
+                   rope_theta=cfg["rope_theta"])
+    if rope_scaling is not None:
+        out_cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    t = {k: v for k, v in t.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    return _write(out, dict(sorted(out_cfg.items())), t)
+
+
+def specforge_sglang(src, out) -> str:
+    """A SpecForge export after SpecForge's SGLang normaliser (scripts/gates/
+    normalize_dflash_export.py _normalize_dspark): the four head fields copied to the top level,
+    `Qwen3DSparkModel`, auto_map dropped, dflash_config kept. It requires markov_rank > 0."""
+    p = specforge(src, out)
+    cfg, t = read(p)
+    dc = cfg["dflash_config"]
+    if not dc.get("markov_rank"):
+        raise ValueError("SpecForge's normaliser refuses markov_rank 0")
     for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
               "confidence_head_with_markov"):
-        if k in cfg:
-            nested[k] = cfg.pop(k)
-    nested["confidence_head_alpha"] = 1.0
-    cfg.pop("dspark_bonus_anchor", None)
-    cfg.update(architectures=["DSparkDraftModel"], dflash_config=nested,
-               auto_map={"AutoModel": "dspark.DSparkDraftModel"})
-    if rope_scaling is not None:
-        cfg["rope_scaling"] = rope_scaling
-    t = {k: v for k, v in t.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+        if k in dc:
+            cfg[k] = dc[k]
+    cfg["architectures"] = ["Qwen3DSparkModel"]
+    cfg.pop("auto_map", None)
     return _write(out, cfg, t)
 
 

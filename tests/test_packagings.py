@@ -29,6 +29,7 @@ from tests.test_lossless import DRAFTERS, PROMPTS, TARGET
 PROMPTS4 = PROMPTS[:4]
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 VANILLA, DFLASH = DRAFTERS["vanilla"], DRAFTERS["none"]
+GATED, RNN = DRAFTERS["gated"], DRAFTERS["rnn"]
 TEMPS = read_temperatures(VANILLA / "dspark_calibration.json").temperatures
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
 
@@ -91,14 +92,20 @@ def _speculators_dflash_draft_vocab(tmp):
     return pk.speculators(DFLASH, tmp / "p", TARGET, draft_ids=ids), canon, {}
 
 
-def _specforge(tmp):
-    canon = pk.with_fields(VANILLA, tmp / "c", dspark_bonus_anchor=True)
-    return pk.specforge(canon, tmp / "p"), canon, {}
+# SpecForge: DeepSpec-trained drafters as SpecForge's own exporter writes them (tests/packagings.py
+# specforge, checked field for field against specforge/export/to_hf.py's output); canonical: the
+# same drafter in DeepSpec's layout
+def _specforge(tmp, drafter=VANILLA, **kw):
+    return pk.specforge(drafter, tmp / "p", **kw), drafter, {}
+
+
+def _specforge_sglang(tmp, drafter=VANILLA):
+    return pk.specforge_sglang(drafter, tmp / "p"), drafter, {}
 
 
 def _specforge_yarn(tmp):
-    canon = pk.with_fields(VANILLA, tmp / "c", dspark_bonus_anchor=True, rope_scaling=YARN)
-    return pk.specforge(canon, tmp / "p"), canon, {}
+    canon = pk.with_fields(VANILLA, tmp / "c", rope_scaling=YARN)
+    return pk.specforge(canon, tmp / "p", rope_scaling=YARN), canon, {}
 
 
 def _zlab(tmp):
@@ -133,6 +140,12 @@ CASES = {"deepspec-stock": _deepspec_stock, "deepspec-dflash-stock": _deepspec_d
          "speculators-legacy": _speculators_legacy, "speculators-legacy-1+N": _speculators_legacy_1n,
          "speculators-draft-vocab": _speculators_draft_vocab,
          "speculators-dflash-draft-vocab": _speculators_dflash_draft_vocab, "specforge": _specforge,
+         "specforge-gated": lambda tmp: _specforge(tmp, GATED),
+         "specforge-rnn": lambda tmp: _specforge(tmp, RNN),
+         "specforge-dflash": lambda tmp: _specforge(tmp, DFLASH),
+         "specforge-dflash-defaults": lambda tmp: _specforge(tmp, DFLASH, minimal=True),
+         "specforge-sglang": _specforge_sglang,
+         "specforge-sglang-rnn": lambda tmp: _specforge_sglang(tmp, RNN),
          "specforge-yarn": _specforge_yarn, "zlab-nested": _zlab, "zlab-sliding": _zlab_sliding,
          "sts-in-config": _sts_in_config, "conf-without-bias": _conf_without_bias,
          "rope-interleaved": _interleaved}
@@ -210,6 +223,10 @@ MUST_FAIL = {
             c, target_layer_ids=tuple(i - 1 for i in c.target_layer_ids)))),
     "partial-rotary-honoured": ("deepspec-stock", _partial_rotary),
     "d2t-ignored": ("speculators-draft-vocab", _d2t_ignored),
+    "specforge-anchor-slot-misread": ("specforge", lambda mp: _config_patch(
+        mp, "specforge", lambda c: dataclasses.replace(c, block_layout="one_plus_n"))),
+    "specforge-dflash-anchor-slot-misread": ("specforge-dflash", lambda mp: _config_patch(
+        mp, "specforge", lambda c: dataclasses.replace(c, block_layout="one_plus_n"))),
     "yarn-ignored": ("specforge-yarn", lambda mp: _config_patch(
         mp, "specforge", lambda c: dataclasses.replace(
             c, model=dataclasses.replace(c.model, rope_scaling=None)))),
@@ -258,6 +275,30 @@ def _edit(path, **changes):
 def _load(path):
     from dspark_rt.models.qwen3 import Qwen3Model
     return Drafter.from_pretrained(str(path), Qwen3Model.from_pretrained(TARGET, dtype="float32"))
+
+
+def test_specforge_head_defaults(tmp_path):
+    """Head fields a SpecForge draft config leaves out read as SpecForge builds the model
+    (modeling/draft/dspark.py: no Markov head, a confidence head iff confidence_head_alpha > 0,
+    without the Markov feature), in the anchor-first block its DSpark objective trains."""
+    p = pk.specforge(DFLASH, tmp_path / "p", minimal=True)
+    got = DrafterConfig.from_json(p)
+    assert (got.markov_rank, got.head, got.confidence, got.layout, got.gamma) == \
+        (0, "none", False, "anchor_first", _cfg(p)["block_size"])
+    cfg = _cfg(p)
+    cfg["dflash_config"].update(confidence_head_alpha=1.0, markov_rank=8)
+    (p / "config.json").write_text(json.dumps(cfg))
+    got = DrafterConfig.from_json(p)
+    assert (got.markov_rank, got.head, got.confidence, got.confidence_markov) == \
+        (8, "vanilla", True, False)
+    cfg["dflash_config"].update(projector_type="dflash", markov_rank=0, confidence_head_alpha=0.0)
+    (p / "config.json").write_text(json.dumps(cfg))
+    assert DrafterConfig.from_json(p).layout == "one_plus_n"  # SpecForge's DFlash objective
+    cfg["dflash_config"]["markov_rank"] = 8
+    (p / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"'dflash_config.projector_type' = 'dflash' names a "
+                                              "DFlash drafter"):
+        DrafterConfig.from_json(p)
 
 
 def test_dflash2_loads_through_its_own_door(tmp_path):

@@ -35,10 +35,22 @@ speculators  `speculators_model_type` "dspark" | "dflash" and `transformer_layer
              src/speculators/model.py DraftVocabMixin, models/dspark/model_definitions.py).
 specforge    `dflash_config` holding DSpark fields (markov_rank, markov_head_type,
              enable_confidence_head, confidence_head_with_markov, projector_type "dspark") on
-             a Qwen3 config (sgl-project/SpecForge configs/qwen3-8b-dspark.json,
-             specforge/modeling/draft/dspark.py); DFlash's 1+N block unless `sample_from_anchor`
-             says otherwise (llama.cpp PR 26275 discussion); rope scaling honoured (YaRN);
-             `draft_vocab_size` with the same d2t / t2d buffers as speculators
+             a Qwen3 config, as `export --to hf` writes it (sgl-project/SpecForge
+             specforge/export/to_hf.py: the user's draft config through save_pretrained;
+             configs/qwen3-8b-dspark.json). Fields absent take SpecForge's defaults
+             (specforge/modeling/draft/dspark.py build_markov_head / _init_draft_head: markov_rank
+             0, enable_confidence_head = confidence_head_alpha > 0, confidence_head_with_markov
+             false). target_layer_ids index target layers as DeepSpec's do (modeling/draft/
+             dflash.py extract_context_feature: hidden_states[id + 1]). The block is
+             anchor-first like DeepSpec's, though no field says so: SpecForge's DSpark objective
+             labels slot k with anchor + k + 1 (algorithms/common/dflash_family_model.py
+             OnlineDSparkModel._build_dspark_labels_and_mask) and SGLang serves it so
+             (python/sglang/srt/speculative/dspark_components/dspark_config.py: gamma =
+             block_size); only its DFlash objective (projector "dflash") is 1+N. SpecForge's
+             SGLang normaliser (scripts/gates/normalize_dflash_export.py) copies the head fields
+             to the top level and relabels Qwen3DSparkModel, keeping dflash_config: the same
+             packaging. `sample_from_anchor` still wins where a file carries it. Rope scaling
+             honoured (YaRN); `draft_vocab_size` with the same d2t / t2d buffers as speculators
              (specforge/modeling/draft/vocab_mixin.py: t2d bool, i + d2t[i] the target id).
 zlab         `dflash_config` {mask_token_id, target_layer_ids, block_size?} (z-lab/dflash
              dflash/model.py): 1+N block; `layer_types` "sliding_attention" layers attend within
@@ -294,10 +306,13 @@ def _deepspec(d, src):
 def _nested(d, nested, src):
     dc = {**nested.get("dspark_config", {}), **nested.get("dflash_config", {})}
     get = _getter([dc, d], src)
-    is_dspark = any(k in dc or k in d for k in _DSPARK_KEYS) or dc.get("projector_type") == "dspark"
-    if dc.get("projector_type") not in (None, "dflash", "dspark"):
-        raise CheckpointError(f"{src}: field 'dflash_config.projector_type' = "
-                              f"{dc['projector_type']!r} is not served (dflash, dspark)")
+    # the projector names the model where present (SpecForge: DSparkDraftModel requires "dspark")
+    projector = dc.get("projector_type")
+    is_dspark = projector == "dspark" or \
+        (projector is None and any(k in dc or k in d for k in _DSPARK_KEYS))
+    if projector not in (None, "dflash", "dspark"):
+        raise CheckpointError(f"{src}: field 'dflash_config.projector_type' = {projector!r} is "
+                              "not served (dflash, dspark)")
     if dc.get("attention_mode", "gqa") != "gqa" or "attention_modes" in dc:
         raise CheckpointError(f"{src}: field 'dflash_config.attention_mode' = "
                               f"{dc.get('attention_mode', dc.get('attention_modes'))!r} is not "
@@ -306,11 +321,11 @@ def _nested(d, nested, src):
     ids = _layer_ids(dc.get("target_layer_ids", d.get("target_layer_ids")), src,
                      "dflash_config.target_layer_ids")
     n_target = get("num_target_layers", int, required=False)
-    # SpecForge's DSparkConfig defaults (specforge/modeling/draft/dspark.py), for files written
-    # without their default fields
-    defaults = dict(markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
-                    confidence_head_with_markov=True) if is_dspark else \
-        dict(markov_rank=0, enable_confidence_head=False)
+    # SpecForge's defaults for the head fields a draft config leaves out (modeling/draft/dspark.py
+    # build_markov_head, DSparkDraftModel._init_draft_head)
+    alpha = get("confidence_head_alpha", float, required=False) or 0.0
+    defaults = dict(markov_rank=0, markov_head_type="vanilla", enable_confidence_head=alpha > 0,
+                    confidence_head_with_markov=False)
     dflash2 = None
     if _is_dflash2(d, architectures(d, src), nested):
         dflash2 = {k: get(k, int, min_value=1) for k in _DFLASH2_KEYS}
@@ -325,10 +340,17 @@ def _nested(d, nested, src):
     # z-lab: a sliding layer is causal inside the block unless is_causal says otherwise
     is_causal = get("is_causal", bool, required=False)
     causal = [k == "sliding_attention" if is_causal is None else is_causal for k in kinds]
+    # DSpark (SpecForge, SGLang) is trained anchor-first, z-lab's DFlash 1+N
+    layout = _layout(get, src, "anchor_first" if is_dspark else "one_plus_n")
+    heads = _heads(get, src, defaults=defaults)
+    if not is_dspark and (heads[0] or heads[2]):
+        raise CheckpointError(f"{src}: field 'dflash_config.projector_type' = {projector!r} names "
+                              "a DFlash drafter, but markov_rank / enable_confidence_head give it "
+                              "DSpark heads")
     return _finish("specforge" if is_dspark else "zlab", d, src, get, model, window, kinds=kinds,
-                   block=get("block_size", int, min_value=1), layout=_layout(get, src, "one_plus_n"),
+                   block=get("block_size", int, min_value=1), layout=layout,
                    ids=ids, mask=get("mask_token_id", int, min_value=0), n_target=n_target,
-                   heads=_heads(get, src, defaults=defaults), causal=causal,
+                   heads=heads, causal=causal,
                    draft_vocab=get("draft_vocab_size", int, required=False, min_value=1),
                    dflash2=dflash2)
 
