@@ -65,7 +65,8 @@ class Models:
         self._pair, self._sps = None, None
         if self.random:
             from dspark_rt.testing.random_models import random_pair
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
+                     "fp32": torch.float32}[args.dtype or "bf16"]
             self._pair = random_pair(args.model, dtype=dtype, device=self.device)
 
     def prompts(self, batch):
@@ -80,8 +81,9 @@ class Models:
             drafter = None if mode == "ar" else PAIR / ("dflash" if mode == "dflash" else "dspark")
             cal = (PAIR / "dspark" / "dspark_calibration.json") if mode == "dspark" else None
             kw = {"sps": self._profile(policy)} if policy in ("sync", "async", "auto") else {}
+            dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.args.dtype)
             return Decoder.from_pretrained(PAIR / "target", drafter, mode=mode, policy=policy,
-                                           device=self.device, calibration=cal, **kw)
+                                           device=self.device, calibration=cal, dtype=dtype, **kw)
         target, drafter = self._pair
         kw = {}
         if policy in ("sync", "async", "auto"):
@@ -343,8 +345,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--profile-grid", choices=["dense", "sparse"], default="dense",
                     help="B values of the measured profiles (sparse: powers of two)")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                    help="random models' dtype (shipped: the Decoder's default)")
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                    help="the models' dtype (default: bf16 for random models, the Decoder's "
+                         "default for the shipped pair: float32 on a CPU)")
     ap.add_argument("--batch", type=int, nargs="+")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=256, help="random models' prompt tokens")
@@ -371,8 +374,11 @@ def main(argv=None):
     if args.repeats < 1 or args.threads < 1:
         ap.error("--repeats and --threads must be >= 1")
     known = {f"{m}/{p}" for m, p in MODES}
-    if set(args.modes) - known:
-        ap.error(f"--modes must be among {sorted(known)}")
+    bad = [m for m in args.modes if m.partition("@exact=")[0] not in known
+           or m.partition("@exact=")[2] not in ("", "0", "1")]
+    if bad:
+        ap.error(f"--modes must be among {sorted(known)}, each optionally with @exact=0 or "
+                 f"@exact=1; got {bad}")
     if args.batch is None:
         args.batch = [1, 8, 32, 128] if args.device.startswith("cuda") else [1, 4, 16]
     if args.device == "cpu":

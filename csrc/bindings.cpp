@@ -322,5 +322,23 @@ PYBIND11_MODULE(_C, m) {
           Launch<P>("linear", LinearCpu, DSPARK_CUDA_FN(LinearCuda), p, backend, stream);
         },
         py::arg("params"), py::arg("backend"), py::arg("stream"));
+    // The same launch from plain ints (contiguous x, w, out): the door's fast path, called for
+    // every projection of every forward, where building a params object costs more than a small
+    // model's GEMM.
+    m.def(
+        "linear_contiguous",
+        [](uintptr_t x, uintptr_t w, uintptr_t out, int64_t M, int64_t N, int64_t K, int dtype,
+           const std::string& backend, uintptr_t stream) {
+          if (dtype < 0 || dtype > kMaxDType) throw py::value_error("linear: bad dtype code");
+          P p;
+          p.M = M, p.N = N, p.K = K, p.ldx = K, p.ldw = K, p.ldo = N;
+          p.dtype = static_cast<DType>(dtype);
+          p.x = reinterpret_cast<const void*>(x);
+          p.w = reinterpret_cast<const void*>(w);
+          p.out = reinterpret_cast<void*>(out);
+          Launch<P>("linear", LinearCpu, DSPARK_CUDA_FN(LinearCuda), p, backend, stream);
+        },
+        py::arg("x"), py::arg("w"), py::arg("out"), py::arg("M"), py::arg("N"), py::arg("K"),
+        py::arg("dtype"), py::arg("backend"), py::arg("stream"));
   }
 }

@@ -484,10 +484,13 @@ def exact_mode(device) -> bool:
     output equals plain greedy output bit for bit in every dtype. DSPARK_EXACT=1 / 0 forces it;
     by default on for the CPU (where it is measured no slower) and off on CUDA until a GPU run
     has measured its cost (README, "Exactness")."""
-    env = os.environ.get("DSPARK_EXACT", "")
-    if env not in ("", "0", "1"):
+    env = os.environ.get("DSPARK_EXACT")
+    if env is None or env == "":
+        return device.type == "cpu" if isinstance(device, torch.device) \
+            else torch.device(device).type == "cpu"
+    if env not in ("0", "1"):
         raise ValueError(f"DSPARK_EXACT must be 0 or 1, got {env!r}")
-    return env == "1" if env else torch.device(device).type == "cpu"
+    return env == "1"
 
 
 def _batch_invariant(device):
@@ -622,6 +625,9 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     return out
 
 
+_HAS_CPP = "cpp" in _AVAILABLE
+
+
 def linear(x, w, *, out=None, backend=None):
     """out = x @ w.T, row-invariant: x [..., K], w [N, K] (nn.Linear's weight), both of one
     float dtype; returns [..., N] in that dtype, accumulated in float32 (float64 for float64)
@@ -630,6 +636,20 @@ def linear(x, w, *, out=None, backend=None):
     reference, torch's own GEMM, does not promise that). out: a contiguous [..., N] tensor to
     write instead of a new one."""
     op = "linear"
+    if backend is None and out is None and _HAS_CPP and isinstance(x, torch.Tensor) \
+            and isinstance(w, torch.Tensor) and x.is_cpu and w.is_cpu and x.dtype == w.dtype \
+            and w.dim() == 2 and x.dim() >= 1 and x.is_contiguous() and w.is_contiguous() \
+            and "DSPARK_BACKEND" not in os.environ:
+        N, K = w.shape
+        code = _DTYPE_CODE.get(x.dtype)
+        if code is not None and x.shape[-1] == K:
+            # every check of the full path below holds: launch without the params object (the
+            # door is crossed for every projection of every forward)
+            lead = x.shape[:-1]
+            res = torch.empty((*lead, N), dtype=x.dtype)
+            _C.linear_contiguous(x.data_ptr(), w.data_ptr(), res.data_ptr(), math.prod(lead), N,
+                                 K, code, "cpp", 0)
+            return res
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         fail(op, "x must be a [..., K] tensor")
     dev, fdt = x.device, x.dtype
