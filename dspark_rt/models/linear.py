@@ -13,7 +13,10 @@ __all__ = ["Linear", "project"]
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w[N, K].T in x's dtype (ops.exact_mode decides the kernel)."""
+    """x [..., K] @ w[N, K].T in x's dtype (ops.exact_mode decides the kernel; a product that
+    autograd records is torch's)."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return F.linear(x, w)  # training (dspark_rt.train): the kernels have no backward
     env = os.environ.get("DSPARK_EXACT")
     if x.is_cpu and env in (None, "", "0", "1"):  # the common case, without a device object
         exact = env != "0"

@@ -27,16 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from ..nvml import nvml_state
+from .sps_files import (FORMAT, INTERPS, MAX_RATE, MAX_TOKENS, SGLANG_ADDITIVE_FIELDS,  # noqa: F401
+                        SGLANG_SPS_FIELDS, SUPPORTED, Table, parse_sglang_sps_table,
+                        parse_sps_file, write_sglang_sps_table)
 
 log = logging.getLogger(__name__)
 
-FORMAT = "dspark_rt.sps"
-INTERPS = ("linear", "step", "floor")
-# Every number a table holds is bounded where it is read: B counts the tokens of one verify
-# forward (2**20 is far past any batch; lookups hold 8 bytes per B up to the largest), and no
-# engine runs a billion rounds a second (files only: a measurement of a no-op step may).
-MAX_TOKENS = 1 << 20
-MAX_RATE = 1e9
 # Key fields that must match exactly; the SM clock is compared with a tolerance instead.
 IDENTITY_FIELDS = ("gpu_name", "gpu_uuid", "driver", "model", "dtype", "max_batch", "max_tokens")
 # NVML clock-event reasons that mean the clocks are being pulled down right now.
@@ -272,6 +268,22 @@ def measure_profiles(steps: dict, seconds_budget: float, progress: bool = True, 
     return out
 
 
-# the file readers and writers (ours and SGLang's), re-exported: they were defined here
-from .sps_files import (SGLANG_ADDITIVE_FIELDS, SGLANG_SPS_FIELDS, SUPPORTED,  # noqa: E402
-                        load_sps_file, read_sglang_sps_table, write_sglang_sps_table)
+
+def _profile(table: Table, path) -> "SPSProfile":
+    try:
+        return SPSProfile.from_pairs(table.pairs, table.key, table.interp)
+    except ValueError as e:
+        raise ValueError(f"{path}: field 'table': {e}") from None
+
+
+def load_sps_file(path) -> "SPSProfile":
+    """Our JSON (SPSProfile.save) or SGLang's DSpark SPS cost table (read_sglang_sps_table);
+    every field checked where it is read (sps_files.py)."""
+    return _profile(parse_sps_file(path), path)
+
+
+def read_sglang_sps_table(path, key=None) -> "SPSProfile":
+    """SGLang's DSpark SPS cost table (`SpsCostTable`, the file behind its
+    `--speculative-dspark-sps-table-path`) as a profile with interp="floor": sps_files.py's
+    parse_sglang_sps_table says what is read and how SGLang looks it up."""
+    return _profile(parse_sglang_sps_table(path, key), path)

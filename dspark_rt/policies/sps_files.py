@@ -1,23 +1,41 @@
 """SPS tables on disk: dspark_rt's JSON (SPSProfile.save) and SGLang's DSpark SPS cost table
-(`SpsCostTable`), read with every field checked and every number bounded (sps.MAX_TOKENS,
-sps.MAX_RATE); errors are ValueErrors naming the file and the field."""
+(`SpsCostTable`), read with every field checked and every number bounded (MAX_TOKENS,
+MAX_RATE); errors are ValueErrors naming the file and the field. The readers return the table as
+plain data, a `Table`; sps.py builds the SPSProfile (this module sits below it and imports
+nothing of it)."""
 import json
 import math
 import reprlib
 from pathlib import Path
 
-from .sps import FORMAT, INTERPS, MAX_RATE, MAX_TOKENS, SPSProfile
+from typing import NamedTuple
 
-__all__ = ["load_sps_file", "read_sglang_sps_table", "write_sglang_sps_table", "SUPPORTED",
-           "SGLANG_SPS_FIELDS", "SGLANG_ADDITIVE_FIELDS"]
+__all__ = ["parse_sps_file", "parse_sglang_sps_table", "write_sglang_sps_table", "Table",
+           "SUPPORTED", "SGLANG_SPS_FIELDS", "SGLANG_ADDITIVE_FIELDS", "FORMAT", "INTERPS",
+           "MAX_TOKENS", "MAX_RATE"]
+
+FORMAT = "dspark_rt.sps"
+INTERPS = ("linear", "step", "floor")
+# Every number a table holds is bounded where it is read: B counts the tokens of one verify
+# forward (2**20 is far past any batch; lookups hold 8 bytes per B up to the largest), and no
+# engine runs a billion rounds a second (files only: a measurement of a no-op step may).
+MAX_TOKENS = 1 << 20
+MAX_RATE = 1e9
+
+
+class Table(NamedTuple):
+    """An SPS table as read: (B, rounds_per_s) pairs, its cache key and lookup."""
+    pairs: list
+    key: dict
+    interp: str
 
 # SGLang's DSpark SPS cost table (see read_sglang_sps_table) and its additive variant.
 SGLANG_SPS_FIELDS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")
 SGLANG_ADDITIVE_FIELDS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
 
 
-def load_sps_file(path) -> SPSProfile:
-    """Our JSON (SPSProfile.save) or SGLang's DSpark SPS cost table (read_sglang_sps_table)."""
+def parse_sps_file(path) -> Table:
+    """Our JSON (SPSProfile.save) or SGLang's DSpark SPS cost table (parse_sglang_sps_table)."""
     d = _read_json_object(path)
     if d.get("format") == FORMAT:
         return _from_own(d, path)
@@ -31,7 +49,7 @@ SUPPORTED = (f'dspark_rt\'s own JSON ("format": "{FORMAT}") and SGLang\'s DSpark
              f'(an object with {", ".join(SGLANG_SPS_FIELDS)})')
 
 
-def read_sglang_sps_table(path, key=None) -> SPSProfile:
+def parse_sglang_sps_table(path, key=None) -> Table:
     """SGLang's DSpark SPS cost table, the file behind its `--speculative-dspark-sps-table-path`.
 
     Source: sgl-project/sglang, python/sglang/srt/speculative/dspark_components/dspark_sps.py
@@ -58,8 +76,9 @@ def read_sglang_sps_table(path, key=None) -> SPSProfile:
     return _from_sglang(_read_json_object(path), path, key)
 
 
-def write_sglang_sps_table(profile: SPSProfile, path) -> Path:
-    """Write `profile` as SGLang's `SpsCostTable` JSON (see read_sglang_sps_table).
+def write_sglang_sps_table(profile, path) -> Path:
+    """Write `profile` (an SPSProfile) as SGLang's `SpsCostTable` JSON (see
+    parse_sglang_sps_table).
 
     A "floor" profile is written as its points (a trailing point repeating the value before it,
     as read_sglang_sps_table adds, becomes max_batch_tokens again); any other profile as its
@@ -93,7 +112,7 @@ def _read_json_object(path) -> dict:
     return d
 
 
-def _from_sglang(d: dict, path, key=None) -> SPSProfile:
+def _from_sglang(d: dict, path, key=None) -> Table:
     if any(f in d for f in SGLANG_ADDITIVE_FIELDS):
         raise ValueError(f"{path}: SGLang's additive cost table "
                          f"({', '.join(SGLANG_ADDITIVE_FIELDS)}) prices a round by request count "
@@ -126,7 +145,7 @@ def _from_sglang(d: dict, path, key=None) -> SPSProfile:
                          f"{tokens[-1]}")
     if max_bt > tokens[-1]:  # SGLang's floor lookup holds the last value up to max_batch_tokens
         tokens, values = tokens + [max_bt], values + [values[-1]]
-    return SPSProfile(tokens, values, dict(key or {}), interp="floor")
+    return Table([[b, v] for b, v in zip(tokens, values)], dict(key or {}), "floor")
 
 
 def _numbers(d, name, path, types, bound) -> list:
@@ -142,7 +161,7 @@ def _numbers(d, name, path, types, bound) -> list:
     return xs
 
 
-def _from_own(d: dict, path) -> SPSProfile:
+def _from_own(d: dict, path) -> Table:
     """Our JSON (SPSProfile.to_json), every field checked by name."""
     table, interp, key = d.get("table"), d.get("interp", "linear"), d.get("key") or {}
     pairs = table if isinstance(table, list) and table else None
@@ -159,7 +178,4 @@ def _from_own(d: dict, path) -> SPSProfile:
         raise ValueError(f"{path}: field 'interp' must be one of {INTERPS}, got {interp!r}")
     if not isinstance(key, dict):
         raise ValueError(f"{path}: field 'key' must be an object, got {reprlib.repr(key)}")
-    try:
-        return SPSProfile.from_pairs(pairs, key, interp)
-    except ValueError as e:
-        raise ValueError(f"{path}: field 'table': {e}") from None
+    return Table(pairs, key, interp)
