@@ -42,7 +42,8 @@ class ParallelRunner(Runner):
             if self.group.leader:
                 self.group.send((command, self.runner_id) + args)
             yield
-        except BaseException as e:  # KeyboardInterrupt too: the workers are out of step
+        except (Exception, KeyboardInterrupt) as e:  # Ctrl-C too: the workers are out of step
+            # (not GeneratorExit: a generator closed around a call, at exit too, is no failure)
             if self.tensor_parallel is not None:
                 self.tensor_parallel.failed(e)  # raises WorkerError unless e is an interrupt
             raise
