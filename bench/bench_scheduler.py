@@ -23,6 +23,7 @@ import torch
 
 from dspark_rt import ops
 from dspark_rt.nvml import nvml_state
+from dspark_rt.policies import BatchView, Decision
 from dspark_rt.policies.prefix import AsyncScheduler, SyncScheduler, candidates
 from dspark_rt.policies.sps import SPSProfile
 
@@ -57,9 +58,13 @@ def bench_shape(R: int, gamma: int, repeats: int) -> dict:
     inputs = []
     for _ in range(16):  # fresh survivals, cycled
         c = torch.tensor(rng.beta(4, 1, size=(R, gamma)), dtype=torch.float32)
-        inputs.append((c, torch.cumprod(c, 1), cap, gamma))
+        inputs.append((Decision((gamma,) * R), c, torch.cumprod(c, 1), cap))
     sync, asy = SyncScheduler(prof), AsyncScheduler(prof)
-    masked = [(candidates(s, k, g),) for _, s, k, g in inputs]
+    masked = [(candidates(s, k, gamma),) for _, _, s, k in inputs]
+    view = BatchView(None, (gamma,) * R, (0,) * R, gamma)
+
+    def async_round(d, c, s, k):  # the round's host path: the decision's budget, then admission
+        return asy.lengths(asy.decide(view), c, s, k)
     K = [asy.plan_budget(a) for (a,) in masked]
     admit_in = [(a, k) for (a,), k in zip(masked, K)]
     row = {
@@ -67,8 +72,8 @@ def bench_shape(R: int, gamma: int, repeats: int) -> dict:
         "sync_us": median_us(sync.lengths, inputs, repeats),
         "async_admit_us": median_us(asy.admit, admit_in, repeats),
         "async_plan_us": median_us(asy.plan_budget, masked, repeats),
-        "candidates_us": median_us(candidates, [x[1:] for x in inputs], repeats),
-        "async_round_us": median_us(asy.lengths, inputs, repeats),
+        "candidates_us": median_us(candidates, [(s, k, gamma) for _, _, s, k in inputs], repeats),
+        "async_round_us": median_us(async_round, inputs, repeats),
         "sync_len_mean": float(np.mean([sync.lengths(*x).float().mean() for x in inputs])),
         "async_K_mean": float(np.mean(K)),
     }

@@ -11,7 +11,7 @@ vocabulary, b bytes per element (payload handed to the collectives by one rank; 
 2 (N-1)/N of an all-reduce's and (N-1)/N of an all-gather's total per rank, i.e. the payload at N = 2):
   measured = all-reduces (2 L + 1) x rows x d x b  (o_proj, down_proj, embedding) of both forwards
            + all-gathers of the LM-head shards     (n_v + R gamma) x V / N x b
-           + broadcasts of the host reads, commands (pickled SeqBatch, policy)
+           + broadcasts of the host reads, commands (pickled SeqBatch and Decision)
   floor    = 2 L x rows x d x b of both forwards (a Megatron layer cannot combine less: its output
              needs every head's and every MLP slice's share) + a few scalars per logits row
              (sampling from vocabulary shards needs each shard's max / log-sum-exp / chosen

@@ -20,8 +20,10 @@ from .models.drafter import Drafter
 from .models.load import load_drafter
 from .models.qwen3 import Qwen3Model, pick_dtype
 from .outputs import RequestOutput
-from .policies import POLICIES, Calibration, OnlineCalibration, make_policy
+from .policies import OnlineCalibration
+from .policies.calibration import as_calibration
 from .policies.sts import CALIBRATION_FILE
+from .runner.resolve import resolve_policy
 from .runner.runner import MODES, Runner
 from .sampling_params import SamplingParams
 from .checkpoint.tokenizer import Tokenizer
@@ -38,31 +40,6 @@ def _device(device) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     return device
-
-
-def _calibration(calibration, gamma: int) -> Calibration | None:
-    if isinstance(calibration, (str, Path)):
-        from .policies.sts import read_temperatures
-        calibration = read_temperatures(calibration)
-    if isinstance(calibration, (list, tuple)):
-        calibration = Calibration(list(calibration))
-    if calibration is None:
-        return None
-    if not isinstance(calibration, Calibration):
-        raise ValueError(f"calibration must be a Calibration or a list of per-position "
-                         f"temperatures, got {type(calibration).__name__}")
-    t = calibration.temperatures
-    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x < math.inf
-               for x in t):
-        raise ValueError(f"calibration temperatures must be finite numbers > 0, got {list(t)}")
-    if len(t) < gamma:
-        raise ValueError(f"calibration has {len(t)} temperatures, the drafter drafts {gamma} "
-                         "positions (one temperature each)")
-    b = calibration.biases
-    if b is not None and (len(b) < gamma or not all(
-            isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) for x in b)):
-        raise ValueError(f"calibration biases must be {gamma} finite numbers, got {list(b)}")
-    return calibration
 
 
 def _seed(seed) -> int:
@@ -92,7 +69,7 @@ class Decoder:
     def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
                  mode=None, policy="fixed", threshold=0.5, sps=None, calibration=None,
                  page_size=16, seed=0, device="cpu", tensor_parallel=None,
-                 online_calibration=False):
+                 online_calibration=False, policy_options=None):
         self.device = _device(device)
         seed = _seed(seed)
         if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or \
@@ -111,17 +88,12 @@ class Decoder:
                              f"{target.config.vocab_size}: its ids would index past the embedding")
         self.runner = (Runner(target, drafter, mode, page_size, self.device) if tensor_parallel is None
                        else tensor_parallel.runner(target, drafter, mode, page_size, self.device))
-        if isinstance(policy, str) and policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)} or a VerifyPolicy, got {policy!r}")
-        needs_confidence = POLICIES[policy].needs_confidence if isinstance(policy, str) \
-            else getattr(policy, "needs_confidence", False)
-        if mode != "ar" and needs_confidence and not self.runner.has_confidence:
-            # it would silently run as "fixed"
-            raise ValueError(f"policy {getattr(policy, 'name', policy)!r} needs a drafter with a "
-                             f"confidence head in dspark mode; this one (mode {mode!r}) has none: "
-                             "use policy='fixed'")
-        self.policy = self._policy(policy, threshold, sps) if mode == "dspark" else make_policy("fixed")
-        self.calibration = _calibration(calibration, self.runner.gamma)
+        options = dict(policy_options or {})
+        if policy == "threshold":
+            options.setdefault("threshold", threshold)
+        self.policy = resolve_policy(policy, self.runner, sps=sps, options=options,
+                                     measure=tensor_parallel is None)
+        self.calibration = as_calibration(calibration, self.runner.gamma)
         self.calibration_source = (str(calibration) if isinstance(calibration, (str, Path)) else
                                    None if calibration is None else "given")
         if not isinstance(online_calibration, bool):
@@ -132,38 +104,7 @@ class Decoder:
         self.seed = seed
         self._ids = itertools.count()  # request ids and random streams, across this Decoder's Engines
         self._lock = threading.Lock()  # sizing the Engine and queueing a batch happen together
-        self.engine = self.new_engine(EngineConfig(num_pages=1, max_num_seqs=1))  # sized by _sized
-
-    def _policy(self, policy, threshold, sps):
-        """sync / async: sps= or this machine's profile of speculative rounds; auto also needs
-        the profiles of plain rounds, of rounds that draft but verify nothing and of drafter
-        context updates (sps=(speculative, plain, drafting, context), any of them None to
-        measure it; with tensor_parallel_size > 1 context may stay None: exploring is then
-        priced without it)."""
-        if policy not in ("sync", "async", "auto"):
-            return make_policy(policy, **({"threshold": threshold} if policy == "threshold" else {}))
-        if not self.runner.has_confidence:
-            raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
-        spec, plain, drafting, context = (tuple(sps) + (None,) * 4)[:4] \
-            if isinstance(sps, (tuple, list)) else (sps, None, None, None)
-        if self.tensor_parallel is not None and (spec is None or (policy == "auto" and None in (plain, drafting))):
-            raise ValueError(f"policy {policy!r} with tensor_parallel_size > 1 needs sps= (the "
-                             "profiler runs on one process; measure it there or pass the tables)")
-        from .runner.profiling import load_or_profile_jointly  # measures real rounds of this machine
-        if policy != "auto":
-            if spec is None:
-                spec = load_or_profile_jointly([(self.runner, "spread")])[0]
-            return make_policy(policy, sps=spec)
-        # the four measured together: auto decides on their ratios
-        plain_runner = Runner(self.target, None, "ar", self.runner.page_size, self.device)
-        given = [spec, plain, drafting, context]
-        items = [(self.runner, "spread"), (plain_runner, "spread"), (self.runner, "no_drafts"),
-                 (self.runner, "context")]
-        todo = [i for i, p in enumerate(given) if p is None and (i < 3 or self.tensor_parallel is None)]
-        for i, prof in zip(todo, load_or_profile_jointly([items[i] for i in todo]) if todo else []):
-            given[i] = prof
-        spec, plain, drafting, context = given
-        return make_policy(policy, sps=spec, plain=plain, drafting=drafting, context=context)
+        self.engine = self.new_engine(EngineConfig(num_pages=1, max_num_seqs=1))  # sized by reserve
 
     @classmethod
     def from_pretrained(cls, target, drafter=None, *, device="cpu", dtype=None,
@@ -270,7 +211,8 @@ class Decoder:
         if not reqs:
             return []
         with self._lock:
-            eng = self._sized(reqs)
+            eng = self.engine
+            eng.reserve(reqs)
             eng.add_all(reqs)
         return eng.drive(reqs, use_tqdm=use_tqdm, desc=f"dspark_rt {self.mode}")
 
@@ -292,39 +234,10 @@ class Decoder:
 
     def _stream(self, req, num_pages):
         with self._lock:
-            eng = self._sized([req], num_pages)
+            eng = self.engine
+            eng.reserve([req], num_pages)
             eng.add(req)
         yield from eng.stream_request(req)
-
-    def _sized(self, reqs, min_pages: int = 0) -> Engine:
-        """The Engine, its pool resized when idle and too small for these requests' whole
-        lifetimes at once (offline batches then run without preemption); while other requests
-        run they share the pool as it is (with preemption when short), unless one of these could
-        never fit it: then the running requests finish first and the pool is resized. min_pages
-        is capped by what the requests' contexts can use (a request never makes the pool larger
-        than its context needs)."""
-        eng = self.engine
-        seqs, budget = len(reqs), max(8192, len(reqs) * (1 + self.runner.gamma))
-        busy = eng.owns_caches and eng.has_unfinished()
-        if busy and any(eng.pages_needed([q]) > eng.num_pages for q in reqs):
-            while eng.has_unfinished():  # other threads' requests and open streams finish here
-                eng.step()
-            busy = False
-        if busy:
-            seqs += len(eng.requests)
-            budget = max(budget, seqs * (1 + self.runner.gamma))
-        else:
-            need = eng.pages_needed(reqs)
-            full = eng.target_blocks.pages_for(self.max_model_len + self.runner.block_size
-                                               + self.runner.gamma)
-            need = max(min(min_pages, full * seqs), need + need // 50 + 1)  # + the admission watermark
-            if not eng.owns_caches or eng.num_pages < need:
-                eng = self.new_engine(EngineConfig(num_pages=need, max_num_seqs=seqs,
-                                                   max_num_batched_tokens=budget, chunk_size=budget))
-        eng.scheduler.max_num_seqs = max(eng.scheduler.max_num_seqs, seqs)
-        eng.scheduler.max_num_batched_tokens = max(eng.scheduler.max_num_batched_tokens, budget)
-        return eng
-
 
 def _is_ids(p) -> bool:
     return isinstance(p, (list, tuple)) and bool(p) and all(

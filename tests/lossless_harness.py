@@ -363,7 +363,7 @@ class ThresholdLookahead(ThresholdPolicy):
     computed from x_k) clears the threshold."""
     name = "threshold-lookahead"
 
-    def lengths(self, c_hat, survival, cap, gamma):
+    def lengths(self, decision, c_hat, survival, cap):
         ahead = torch.cat([c_hat[:, 1:], c_hat[:, -1:]], 1)
         keep = (ahead > self.threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
         return torch.minimum(keep, cap)

@@ -95,8 +95,9 @@ def test_profile_runner_table(tiny_target, drafter):
     assert prof.key["max_tokens"] == 2 * (GAMMA + 1) == prof.max_tokens
     assert prof.key["model"].startswith(f"{tiny_target.name}@") and prof.key["dtype"] == "float32"
     import torch
-    lengths = SyncScheduler(prof).lengths(None, torch.full((2, GAMMA), 0.9),
-                                          torch.tensor([GAMMA, GAMMA]), GAMMA)
+    from dspark_rt.policies import Decision
+    lengths = SyncScheduler(prof).lengths(Decision((GAMMA, GAMMA)), None, torch.full((2, GAMMA), 0.9),
+                                          torch.tensor([GAMMA, GAMMA]))
     assert lengths.shape == (2,) and int(lengths.sum()) + 2 <= prof.max_tokens
     with pytest.raises(ValueError, match="B_values"):
         profiling.profile_runner(dec.runner, B_values=[11], seconds=0.1, context_len=16, max_batch=2,

@@ -75,11 +75,11 @@ def test_nan_logits_fail_one_request_only(pair):
     poisoned = ids[1]
 
     class PoisonedRound(Round):  # the target's rows of one request turn NaN
-        def accept(self, runner, batch, draft, plan, logits, rng, policy):
+        def accept(self, runner, batch, draft, plan, logits, rng):
             for i, stream in enumerate(batch.streams):
                 if stream == poisoned + 1:  # requests without a seed draw stream id + 1
                     logits[plan.cu[i]] = float("nan")
-            return super().accept(runner, batch, draft, plan, logits, rng, policy)
+            return super().accept(runner, batch, draft, plan, logits, rng)
 
     eng.round = PoisonedRound()
     results = {}
@@ -279,7 +279,7 @@ def test_an_older_engine_refuses_to_step(pair):
 def test_device_metadata_equals_host_metadata(pair):
     """The async path builds the verify batch from lengths on the device; its rows equal the
     host-built ones, and the padding rows past the real total write nowhere (slot -1)."""
-    from dspark_rt.runner.batch import SeqBatch
+    from dspark_rt.batch import SamplingBatch, SeqBatch
     dec = Decoder.from_pretrained(pair[0], pair[1], mode="dspark")
     r = dec.runner
     r.page_size = 4
@@ -287,7 +287,7 @@ def test_device_metadata_equals_host_metadata(pair):
     for _ in range(20):
         R, gamma = rng.randint(1, 5), r.gamma
         kv, pages = [rng.randint(0, 30) for _ in range(R)], [rng.sample(range(100), 10) for _ in range(R)]
-        batch = SeqBatch(kv, kv, pages, pages, [0] * R, [gamma] * R, [SamplingParams()] * R,
+        batch = SeqBatch(kv, kv, pages, pages, [0] * R, [gamma] * R, SamplingBatch.of([SamplingParams()] * R),
                          [0] * R, [0] * R, [0] * R)
         lengths = [rng.randint(0, gamma) for _ in range(R)]
         chains = torch.randint(0, 90, (R, gamma + 1))
@@ -378,7 +378,8 @@ def test_filtering_16bit_logits_keeps_the_widened_nucleus(pair):
     x = (torch.randn(3000, 50, generator=g) * 3).bfloat16()
     params = [SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.3, top_k=20),
               SamplingParams(temperature=0.3, top_p=0.9, top_k=30)]
-    batch = SimpleNamespace(params=params, filtered=[True] * 3)
+    from dspark_rt.batch import SamplingBatch
+    batch = SimpleNamespace(sampling=SamplingBatch.of(params))
     cu = [0, 1000, 2000, 3000]
     got = runner.filter(batch, x.clone(), cu)
     want = runner.filter(batch, x.float(), cu)

@@ -32,7 +32,8 @@ from dspark_rt.runner.graphs import GraphRunner, StaticBatch, capture_problem, d
 from dspark_rt.models.batch import AttnMeta
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.models.qwen3 import Qwen3Model
-from dspark_rt.runner import Runner, SeqBatch
+from dspark_rt.batch import SamplingBatch, SeqBatch
+from dspark_rt.runner import Runner
 from dspark_rt.sampling_params import SamplingParams
 
 PAGE = 4
@@ -196,7 +197,7 @@ def _requests(g, R, B, V):
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0][i % 3], max_tokens=64, coupled=i % 4 == 1)
               for i in range(R)]
     return SeqBatch(ctx, list(ctx), [[] for _ in range(R)], [[] for _ in range(R)], anchors,
-                    [B] * R, params, [1000 + i for i in range(R)], [i % 2 for i in range(R)], rounds)
+                    [B] * R, SamplingBatch.of(params), [1000 + i for i in range(R)], [i % 2 for i in range(R)], rounds)
 
 
 def _draft_case(run, gr, g, R, spare=0):

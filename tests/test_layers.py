@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "dspark_rt"
 
 # Bottom to top. A module may import modules of its own layer and of the layers below.
 LAYERS = [
-    ("kernels and plain types", ["_C", "ops", "nvml", "sampling_params", "outputs"]),
+    ("kernels and plain types", ["_C", "ops", "nvml", "sampling_params", "outputs", "batch"]),
     ("checkpoint I/O", ["checkpoint"]),
     ("models", ["models"]),
     ("policies", ["policies"]),

@@ -2,6 +2,7 @@
 the paper's Appendix A counterexample (the retrospective variant must fail, so the test has power).
 """
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from dspark_rt import ops
+from dspark_rt.policies import BatchView, Decision, device_lengths
 from dspark_rt.policies.prefix import AsyncScheduler, SyncScheduler, candidates, ranked
 from dspark_rt.policies.sps import SPSProfile
 
@@ -20,10 +22,23 @@ class RetrospectiveScheduler(AsyncScheduler):
     Whether x_{r,j} is verified then depends on a_{r,j+1}, which depends on x_{r,j} itself."""
     name = "retrospective"
 
-    def lengths(self, c_hat, survival, cap, gamma):
-        a = candidates(survival, cap, gamma)
+    def lengths(self, decision, c_hat, survival, cap):
+        a = candidates(survival, cap, survival.shape[1])
         K = self.plan_budget(a)
         return self._finish(a, self.admit(a, K), K)
+
+
+def one_round(sched, c, surv, cap, gamma):
+    """A round's three calls on the host path, as runner/round.py makes them: decide (before
+    drafting), lengths (from the confidences), observe (after the read). A round whose caps
+    are all 0 drafts nothing and asks for no lengths. Returns the lengths [R]."""
+    R = surv.shape[0]
+    d = sched.decide(BatchView(None, tuple(min(int(k), gamma) for k in cap), (0,) * R, gamma))
+    if not d.drafts:
+        return torch.zeros(R, dtype=torch.int64)
+    ell = sched.lengths(d, c, surv, torch.tensor(d.caps, dtype=torch.int64))
+    sched.observe(SimpleNamespace(decision=d, ids=None, survival=surv, lengths=ell.tolist()))
+    return ell
 
 
 # --- brute force, written plainly -----------------------------------------------------------------
@@ -106,7 +121,7 @@ def test_sync_equals_brute_force(dyadic):
         prof = random_sps(rng, max(1, R * (gamma + 1) + int(rng.integers(-3, 3))), case % 2 == 0)
         c, surv, cap = random_case(rng, R, gamma, dyadic)
         sched = SyncScheduler(prof)
-        got = sched.lengths(c, surv, cap, gamma)
+        got = sched.lengths(Decision(tuple(cap.tolist())), c, surv, cap)  # a pure function
         want = brute_sync(surv.numpy(), cap, gamma, prof, prof.max_tokens)
         assert got.tolist() == want, (case, surv, cap)
         assert got.dtype == torch.int64
@@ -134,9 +149,9 @@ def test_sync_stops_at_first_drop_even_if_later_pays():
     prof = SPSProfile([1, 2, 3], [1.0, 0.6, 0.6])
     c = torch.tensor([[0.5, 0.9]])
     surv = torch.cumprod(c, 1)
-    assert SyncScheduler(prof).lengths(c, surv, torch.tensor([2]), 2).tolist() == [0]
+    assert one_round(SyncScheduler(prof), c, surv, torch.tensor([2]), 2).tolist() == [0]
     retro = RetrospectiveScheduler(prof)
-    assert retro.lengths(c, surv, torch.tensor([2]), 2).tolist() == [2]
+    assert one_round(retro, c, surv, torch.tensor([2]), 2).tolist() == [2]
 
 
 def test_async_budget_is_global_argmax_two_rounds_old():
@@ -145,11 +160,13 @@ def test_async_budget_is_global_argmax_two_rounds_old():
         R, gamma = int(rng.integers(1, 6)), int(rng.integers(1, 8))
         prof = random_sps(rng, R * (gamma + 1), dense=trial % 2 == 0)
         sched = AsyncScheduler(prof)
-        history = []
-        for t in range(6):
+        history = []  # of the rounds that drafted (a round whose caps are all 0 does not)
+        for _ in range(6):
             c, surv, cap = random_case(rng, R, gamma, dyadic=trial % 3 == 0)
-            got = sched.lengths(c, surv, cap, gamma)
-            K = sched.last_stats["budget"]
+            if not cap.any():
+                continue
+            got = one_round(sched, c, surv, cap, gamma)
+            K, t = sched.last_stats["budget"], len(history)
             if t < 2:
                 assert sched.last_stats["budget_source"] == "default"
                 assert K == min(R * gamma, prof.max_tokens - R)
@@ -167,7 +184,7 @@ def test_async_rescales_budget_when_batch_changes():
     sched = AsyncScheduler(prof)
     ones = lambda R: torch.ones(R, 4)
     for R in (4, 4, 2):
-        sched.lengths(ones(R), ones(R), torch.full((R,), 4), 4)
+        one_round(sched, ones(R), ones(R), torch.full((R,), 4), 4)
     assert sched.last_stats["budget"] == 8  # K = 16 planned on 4 requests, used on 2
 
 
@@ -176,15 +193,15 @@ def test_nan_and_caps_exclude_candidates():
     c = torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])
     surv = torch.cumprod(c, 1)
     for sched in (SyncScheduler(prof), AsyncScheduler(prof)):
-        assert sched.lengths(c, surv, torch.tensor([3, 2]), 3).tolist() == [1, 2]
-        assert sched.lengths(c, surv, torch.tensor([0, 0]), 3).tolist() == [0, 0]
+        assert one_round(sched, c, surv, torch.tensor([3, 2]), 3).tolist() == [1, 2]
+        assert one_round(sched, c, surv, torch.tensor([0, 0]), 3).tolist() == [0, 0]
 
 
 def test_batch_larger_than_profile():
     prof = SPSProfile([1, 2, 3], [3.0, 2.0, 1.0])
     c = torch.ones(5, 2)
     for sched in (SyncScheduler(prof), AsyncScheduler(prof)):
-        assert sched.lengths(c, c, torch.full((5,), 2), 2).tolist() == [0] * 5
+        assert one_round(sched, c, c, torch.full((5,), 2), 2).tolist() == [0] * 5
     with pytest.raises(ValueError):
         SyncScheduler(prof, max_tokens=4)
 
@@ -210,7 +227,9 @@ def run_rounds(sched, R, gamma, cs, caps):
     for c, cap in zip(cs, caps):
         c = torch.tensor(c, dtype=torch.float32) / 8
         cap = torch.tensor(cap, dtype=torch.int64)
-        ell = sched.lengths(c, torch.cumprod(c, 1), cap, gamma)
+        if not cap.any():
+            continue  # no drafts: a plain round
+        ell = one_round(sched, c, torch.cumprod(c, 1), cap, gamma)
         out.append((ell.tolist(), dict(sched.last_stats), cap))
     return out
 
@@ -278,7 +297,7 @@ def first_tokens(sched, n_rounds=4000, seed=11):
     ell = torch.empty(n_rounds, dtype=torch.int64)
     for i in range(n_rounds):
         c = torch.tensor([[0.5, 0.9 if drafts[i, 0] == 0 else 0.1]])
-        ell[i] = sched.lengths(c, torch.cumprod(c, 1), torch.tensor([2]), 2)[0]
+        ell[i] = one_round(sched, c, torch.cumprod(c, 1), torch.tensor([2]), 2)[0]
     # every round in one batched call: row i is round i, its own Philox stream
     cu_rows = torch.zeros(n_rounds + 1, dtype=torch.int32)
     cu_rows[1:] = torch.cumsum(ell + 1, 0)
@@ -322,7 +341,7 @@ def test_appendix_a_causal_schedulers_pass(cls):
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 7), st.integers(0, 60), st.integers(0, 2**31 - 1))
 def test_device_admission_equals_host_admission(R, gamma, K, seed):
-    """The runner's async path (admit_on_device: no host clamp of K) admits exactly what the
+    """The runner's async path (device_lengths: no host clamp of K) admits exactly what the
     host path admits, NaN / -inf survivals, ties and caps included."""
     g = torch.Generator().manual_seed(seed)
     c = torch.randint(0, 5, (R, gamma), generator=g).float() / 4  # ties likely
@@ -332,5 +351,5 @@ def test_device_admission_equals_host_admission(R, gamma, K, seed):
     cap = torch.randint(0, gamma + 2, (R,), generator=g)
     a = candidates(surv, cap, gamma)
     host = AsyncScheduler.admit(None, a, K)
-    dev = AsyncScheduler.admit_on_device(surv, cap, gamma, K)
+    dev = device_lengths(surv, cap, gamma, K)
     assert dev.tolist() == host.tolist(), (c, cap, K)

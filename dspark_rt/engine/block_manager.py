@@ -21,7 +21,7 @@ see dspark_rt.engine for enable_prefix_caching=False on the drafter ("rebuild" m
 """
 from collections import OrderedDict
 
-from ..runner.batch import pages_for
+from ..batch import pages_for
 
 __all__ = ["BlockManager", "BlockManagerError"]
 

@@ -11,14 +11,15 @@ the older Engine refuses to step from then on.
 """
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm.auto import tqdm
 
 from ..outputs import RequestOutput, SpecMetrics
 from ..policies import Calibration, FixedPolicy, VerifyPolicy
-from ..runner.batch import SeqBatch
+from ..batch import SamplingBatch, SeqBatch
 from ..runner.round import Round, first_token
+from ..runner.state import RoundState
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -61,6 +62,9 @@ class Engine:
                                    max_model_len=runner.max_len, eos_token_ids=eos_token_ids,
                                    gamma=runner.gamma)
         self.round = Round()  # benchmarks swap in a subclass (dspark_rt.testing)
+        # what lives across rounds (deferred drafter context; the policy's per-request memory
+        # through it): told of every add, finish, abort and preemption below
+        self.state = RoundState(self.policy, self.policy.defers_context and runner.defers_context)
         self.round_log: list[dict] | None = None  # set to a list to record every round
         self.num_rounds = self.round_host_reads = 0  # rounds run, device reads inside them
         self.seed = seed
@@ -72,9 +76,8 @@ class Engine:
     def _build(self, config: EngineConfig):
         """Caches and block managers for config (the runner's old caches go first)."""
         r = self.runner
-        r.owner = None
-        r.allocate_caches(config.num_pages)
-        r.owner = self
+        self._lease = None
+        self._lease = r.lease_caches(config.num_pages)
         self.config = config
         # Full pages of committed tokens are shared between requests with the same prefix (hash
         # of the token ids). Drafter context is a function of the prefix too, so its pages are
@@ -94,7 +97,8 @@ class Engine:
 
     @property
     def owns_caches(self) -> bool:
-        return getattr(self.runner, "owner", None) is self
+        """Whether this Engine's lease on the runner's caches is the current one."""
+        return self._lease is not None and self.runner.lease is self._lease
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -114,6 +118,7 @@ class Engine:
         """Queues a request from make_request."""
         with self._lock:
             self.scheduler.add(req)
+            self.state.add(req.request_id)
             self.requests[req.request_id] = req
         return req.request_id
 
@@ -124,7 +129,7 @@ class Engine:
             if req is None:
                 return False
             self.scheduler.abort(request_id)
-            self.round.deferred.pop(request_id, None)  # features it deferred are no one's now
+            self.state.abort(request_id)
             self.processor.abort(req)
             return True
 
@@ -155,6 +160,33 @@ class Engine:
                 raise RuntimeError("Engine.resize: requests are still running")
             self._build(config)
 
+    def reserve(self, reqs, min_pages: int = 0):
+        """Sizes the pool for these checked requests before they are queued: when idle and too
+        small for their whole lifetimes at once, the pool is resized (offline batches then run
+        without preemption); while other requests run they share the pool as it is (with
+        preemption when short), unless one of these could never fit it: then the running
+        requests finish first and the pool is resized. min_pages is capped by what the requests'
+        contexts can use (a request never makes the pool larger than its context needs)."""
+        r = self.runner
+        seqs, budget = len(reqs), max(8192, len(reqs) * (1 + r.gamma))
+        busy = self.owns_caches and self.has_unfinished()
+        if busy and any(self.pages_needed([q]) > self.num_pages for q in reqs):
+            while self.has_unfinished():  # other threads' requests and open streams finish here
+                self.step()
+            busy = False
+        if busy:
+            seqs += len(self.requests)
+            budget = max(budget, seqs * (1 + r.gamma))
+        else:
+            need = self.pages_needed(reqs)
+            full = self.target_blocks.pages_for(r.max_len + r.block_size + r.gamma)
+            need = max(min(min_pages, full * seqs), need + need // 50 + 1)  # + the watermark
+            if not self.owns_caches or self.num_pages < need:
+                self.resize(replace(self.config, num_pages=need, max_num_seqs=seqs,
+                                    max_num_batched_tokens=budget, chunk_size=budget))
+        self.scheduler.max_num_seqs = max(self.scheduler.max_num_seqs, seqs)
+        self.scheduler.max_num_batched_tokens = max(self.scheduler.max_num_batched_tokens, budget)
+
     def output(self, req) -> RequestOutput:
         return self.processor.output(req)
 
@@ -166,6 +198,8 @@ class Engine:
                 raise RuntimeError("Engine.step: a newer Engine on the same runner replaced this "
                                    "one's KV caches; use that Engine")
             out = self.scheduler.schedule()
+            for req in out.preempted:  # its caches are recomputed: nothing deferred holds
+                self.state.preempt(req.request_id)
             before = {rid: len(r.output_ids) for rid, r in self.requests.items()}
             errors = {}
             if out.prefills:
@@ -181,7 +215,7 @@ class Engine:
                     self.processor.fail(req, errors[rid])
                 if req.finished:
                     self.scheduler.finish(rid)
-                    self.round.deferred.pop(rid, None)
+                    self.state.finish(rid)
                     del self.requests[rid]
                 results.append(StepOutput(rid, list(new), req.finished,
                                           self.output(req) if req.finished else None, errors.get(rid)))
@@ -195,7 +229,8 @@ class Engine:
                         [r.target_pages for r in reqs], [r.drafter_pages for r in reqs],
                         [r.anchor for r in reqs],
                         [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len)) for r in reqs],
-                        [r.params for r in reqs], [r.seed for r in reqs], [r.stream for r in reqs],
+                        SamplingBatch.of([r.params for r in reqs]), [r.seed for r in reqs],
+                        [r.stream for r in reqs],
                         [len(r.output_ids) if r.params.coupled else r.round for r in reqs],
                         [r.request_id for r in reqs])
 
@@ -218,21 +253,22 @@ class Engine:
 
     def _decode(self, reqs) -> dict:
         reads = self.runner.host_reads
-        res = self.runner.run_round(self.round, self._batch(reqs), self.policy, self.calibration)
+        batch = self._batch(reqs)
+        decision = self.policy.decide(self.state.view(batch, self.runner.gamma))
+        res = self.runner.run_round(self.round, batch, decision, self.policy, self.calibration,
+                                    self.state)
         self.num_rounds += 1
         self.round_host_reads += self.runner.host_reads - reads
+        self.policy.observe(res)
         # every verified draft is a label for the next rounds' calibration (OnlineCalibration)
         self.calibration.observe(res.conf_logit, res.lengths, res.num_accepted)
         if self.round_log is not None:
             self.round_log.append(self._log_entry(reqs, res))
         self._commit(reqs, res.out_tokens, res.failed, res.logits, res.cu_rows[:-1], res.lengths,
                      res.nonfinite)
-        for r, f, a, ctx, lost in zip(reqs, res.failed, res.num_accepted, res.context,
-                                      res.context_lost):
+        for r, f, a, ctx in zip(reqs, res.failed, res.num_accepted, res.context):
             if not f:  # anchor and accepted drafts entered the target cache (and, with ctx, the
-                self.scheduler.decoded(r, a + 1, ctx)  # drafter's: else the round holds them)
-            if lost:  # the round dropped deferred features: rebuild that context from the target
-                self.scheduler.context_lost(r)
+                self.scheduler.decoded(r, a + 1, ctx)  # drafter's: else the state holds them)
         # a request whose target logits hold NaN or +inf fails alone; the others go on
         return {r.request_id: _BAD_LOGITS for r, f in zip(reqs, res.failed) if f}
 

@@ -187,12 +187,6 @@ class RequestScheduler:
         else:
             req.ctx_deferred = True
 
-    def context_lost(self, req) -> None:
-        """The round no longer holds the deferred features of [ctx_len, kv_len): the next step
-        rebuilds that drafter context from the target (a prefill chunk, as after a prefix hit
-        the drafter cache lacked)."""
-        req.ctx_deferred = False
-
     def __contains__(self, request_id) -> bool:
         return request_id in self._live
 

@@ -3,9 +3,11 @@
 Every rank runs the same Runner and Round code on the same SeqBatch: the leader (rank 0, in the
 engine's process) sends each call that reaches the models (allocate_caches, prefill, a round) to
 the workers before running it itself, and the sharded models' collectives keep the ranks in step.
-Every value the round reads to the host (confidences for the policy, accepted counts and tokens)
-is the leader's, broadcast: the decisions are made once, so the ranks cannot disagree on a
-length or a token even where a reduction order could round differently. Philox keys come in the
+Every value the round reads to the host (confidences, accepted counts and tokens) is the
+leader's, broadcast, and so are the policy's decisions: the leader sends each round's Decision
+with the command and broadcasts the verify lengths its policy chooses (decided()), so the ranks
+cannot disagree on a length or a token even where a reduction order could round differently,
+and no policy or round state travels. Philox keys come in the
 SeqBatch, so a seeded request draws what it draws in one process. The workers' round results
 are discarded: the leader's drive the engine.
 """
@@ -23,7 +25,7 @@ class WorkerError(RuntimeError):
 
 class ParallelRunner(Runner):
     use_graphs = False  # the forwards run eagerly: collectives are not captured in CUDA graphs
-    defers_context = False  # the round travels to the other ranks with its state: keep it empty
+    defers_context = False  # the workers hold no round state: nothing is deferred
 
     def __init__(self, target, drafter, mode: str, page_size: int, device, group: TPGroup,
                  runner_id: int = 0, tensor_parallel=None):
@@ -64,8 +66,13 @@ class ParallelRunner(Runner):
         with self._leading("prefill", batch, starts, ends, tokens, shared):
             return super().prefill(batch, starts, ends, tokens, shared)
 
-    def run_round(self, round_, batch, policy, calibration):
-        # the policy travels as it stands at the round's start (its state included), so every
-        # rank's copy plans the same lengths
-        with self._leading("round", round_, batch, policy, calibration):
-            return round_(self, batch, policy, calibration)
+    def run_round(self, round_, batch, decision, policy, calibration, state):
+        # the workers get the round's decision, never the policy or the round state: a policy's
+        # lengths reach them through decided()
+        with self._leading("round", round_, batch, decision, None, calibration, None):
+            return round_(self, batch, decision, policy, calibration, state)
+
+    def decided(self, fn, like):
+        if self.group.leader:
+            return self.group.broadcast(fn().to(like.dtype).reshape(like.shape))
+        return self.group.broadcast(like.clone())

@@ -1,15 +1,24 @@
-"""What a verify-length policy is: the protocol the round calls, and STS calibration.
+"""What a verify-length policy is: one decision per round, and STS calibration.
 
-A policy sees, per round, the calibrated per-position confidences c_hat [R, gamma], the prefix
-survivals a = cumprod(c_hat) [R, gamma] and a per-request cap [R] (drafts the request may
-verify: its own target token must still fit), and returns lengths l_r in [0, min(gamma, cap_r)].
-It must not look at the draft tokens beyond what the confidences carry: that keeps acceptance
-lossless (DESIGN §4).
+A round asks its policy three things, in order (DESIGN §4):
+
+    decision = policy.decide(view)      before drafting, from earlier rounds only: which requests
+                                        draft and how many drafts each may verify at most
+    lengths  = policy.lengths(...)      after drafting, from the calibrated confidences c_hat
+                                        [R, gamma] and survivals a = cumprod(c_hat) alone: l_r in
+                                        [0, decision.caps[r]] (or the device twin, device_lengths)
+    policy.observe(result)              after the round's one host read
+
+A policy must not look at the draft tokens beyond what the confidences carry: that keeps
+acceptance lossless. What it keeps per request across rounds it drops in forget(request_id),
+which the round state (runner/state.py) calls when a request finishes or is aborted.
 """
 import numbers
 from dataclasses import dataclass
 
 import torch
+
+from .. import ops
 
 
 def int_arg(name: str, v, lo: int) -> int:
@@ -60,49 +69,82 @@ def no_nan_rows(conf_logit: torch.Tensor, c_hat: torch.Tensor, survival: torch.T
     return c_hat.masked_fill(bad, 0.0), survival.masked_fill(bad, 0.0)
 
 
+@dataclass(frozen=True)
+class BatchView:
+    """What a policy sees of a round before drafting. ids: request ids in batch order (None when
+    the caller has none: a benchmark's synthetic batch); caps: drafts each request may verify
+    (0: it opted out of speculation, or no room is left); waiting: per request, positions whose
+    drafter context was deferred while it decoded plainly (written before it drafts again)."""
+    ids: tuple | None
+    caps: tuple[int, ...]
+    waiting: tuple[int, ...]
+    gamma: int
+
+    def __len__(self) -> int:
+        return len(self.caps)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One round's decision, made before drafting. caps[r]: drafts request r may verify (0: it
+    does not draft; all 0: a plain round, the target alone). reads_confidence False: every
+    request verifies its caps, and the confidences are not read (one device read fewer).
+    budget: the number of drafts the round admits by top-K survival on the device (async), None
+    for a host decision. explore: the round speculates to learn (auto)."""
+    caps: tuple[int, ...]
+    reads_confidence: bool = True
+    budget: int | None = None
+    budget_source: str = ""
+    explore: bool = False
+
+    @property
+    def drafts(self) -> bool:
+        return any(self.caps)
+
+    @classmethod
+    def verify_all(cls, caps) -> "Decision":
+        return cls(tuple(caps), reads_confidence=False)
+
+
 class VerifyPolicy:
-    """The protocol. speculates() may skip a round's drafting (AutoPolicy). Host policies
-    implement lengths(); the round reads the confidences to the
-    host for them when needs_confidence is set. A policy with admits_on_device = True (async)
-    decides on the device instead, in three calls per round:
-
-        K, source = next_budget(R, gamma)                  budget, from earlier rounds only
-        lengths = admit_on_device(survival, cap, gamma, K)  [R] int64 on the device
-        observe(survival, cap, lengths, K, source)         after the round's one host read
-
-    (the round falls back to lengths() when a request filters its rows: top-k / top-p need the
-    rows on the host). A policy may keep state across rounds through observe()."""
+    """The protocol (module docstring). A policy class declares its registry entry: name, the
+    throughput profiles it needs (runner/profiling.py measures them: "speculative", "plain",
+    "no_drafts", "context"; those in optional_profiles may be missing) and the options it takes
+    by keyword; needs_confidence: it reads the confidence head (a drafter without one cannot run it); defers_context: requests that draft
+    nothing in a round keep their drafter context update for later (worth it for a policy that
+    decodes plainly for many rounds)."""
     name = "base"
+    profiles: tuple[str, ...] = ()
+    optional_profiles: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
     needs_confidence = False
-    admits_on_device = False
-    # a request that drafts nothing in a round keeps its drafter context update for later
-    # (runner/round.py): worth it for a policy that decodes plainly for many rounds
     defers_context = False
 
-    def begin_round(self, ids, waiting=None) -> None:
-        """The round's request ids in batch order (None when the caller has none) and, per
-        request, the positions whose drafter context is deferred (None: not known), before
-        speculates(): for a policy that keeps per-request state (AutoPolicy)."""
+    def decide(self, view: BatchView) -> Decision:
+        return Decision(tuple(view.caps))
 
-    def speculates(self, caps: list[int], gamma: int) -> bool:
-        """Whether this round drafts at all (False: a plain round, the target alone), decided
-        before drafting and so from earlier rounds only. caps: drafts each request may verify."""
-        return True
-
-    def draft_caps(self, caps: list[int]) -> list[int]:
-        """The caps of a round that speculates; a request whose cap this makes 0 skips drafting
-        (decided from earlier rounds only, as speculates())."""
-        return caps
-
-    def lengths(self, c_hat: torch.Tensor | None, survival: torch.Tensor | None,
-                cap: torch.Tensor, gamma: int) -> torch.Tensor:
+    def lengths(self, decision: Decision, c_hat: torch.Tensor | None,
+                survival: torch.Tensor | None, cap: torch.Tensor) -> torch.Tensor:
+        """l [R] int64 in [0, cap_r], cap = decision.caps as a tensor on the confidences' device."""
         raise NotImplementedError
 
-    def next_budget(self, R: int, gamma: int) -> tuple[int, str]:
-        raise NotImplementedError(f"policy {self.name!r} does not admit on the device")
+    def observe(self, result) -> None:
+        """A round's result (runner.round.RoundResult: decision, ids, lengths, accepted counts and,
+        when read, the calibrated survivals [R, gamma] on the host)."""
 
-    def admit_on_device(self, survival, cap, gamma: int, K: int) -> torch.Tensor:
-        raise NotImplementedError(f"policy {self.name!r} does not admit on the device")
+    def forget(self, request_id) -> None:
+        """Drops what this policy keeps about a request that finished or was aborted."""
 
-    def observe(self, survival, cap, lengths: list[int], K: int, source: str) -> None:
-        """survival [R, gamma] and cap [R] on the host, the lengths the round verified."""
+
+def device_lengths(survival: torch.Tensor, cap: torch.Tensor, gamma: int, K: int) -> torch.Tensor:
+    """The device twin of a budget decision: the top-K candidates by survival, prefix-closed,
+    without leaving survival's device (int64 [R]). Excluded candidates (j > cap_r, NaN) form a
+    suffix of their request's row and are cut by the count of leading valid ones."""
+    a = survival[:, :gamma].to(torch.float32)
+    j = torch.arange(1, a.shape[1] + 1, device=a.device)
+    excluded = torch.isnan(a) | torch.isneginf(a) | (j[None, :] > cap[:, None])
+    a = torch.where(a > 0, a, torch.zeros((), device=a.device))
+    a = torch.where(excluded, torch.full((), -torch.inf, device=a.device), a)
+    a = torch.cummin(a, dim=1).values
+    valid = torch.isfinite(a).long().cumprod(dim=1).sum(dim=1)
+    return torch.minimum(ops.prefix_topk(a, K).long(), valid)

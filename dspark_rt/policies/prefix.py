@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from .base import VerifyPolicy, int_arg
+from .base import BatchView, Decision, VerifyPolicy, int_arg
 from .sps import SPSProfile
 
 
@@ -66,6 +66,7 @@ def ranked(a: np.ndarray) -> np.ndarray:
 
 class _Scheduler(VerifyPolicy):
     needs_confidence = True
+    profiles = ("speculative",)
 
     def __init__(self, sps, max_tokens: int | None = None):
         self.sps = _as_profile(sps)
@@ -107,8 +108,8 @@ class SyncScheduler(_Scheduler):
     """
     name = "sync"
 
-    def lengths(self, c_hat, survival, cap, gamma):
-        a = candidates(survival, cap, gamma)
+    def lengths(self, decision, c_hat, survival, cap):
+        a = candidates(survival, cap, survival.shape[1])
         R = a.shape[0]
         if R == 0 or R > self.max_tokens:
             return self._finish(a, np.zeros(R, np.int64), 0).to(cap.device)
@@ -160,44 +161,35 @@ class AsyncScheduler(_Scheduler):
         K = min(K, int(np.isfinite(a).sum()))
         return ops.prefix_topk(torch.from_numpy(a), K).numpy()
 
-    def lengths(self, c_hat, survival, cap, gamma):
-        a = candidates(survival, cap, gamma)
-        K, source = self.next_budget(a.shape[0], gamma)
-        lengths = self.admit(a, K)
-        return self._plan(a, lengths, K, source).to(cap.device)
-
-    # The same three steps with the admission on the device (the round's path: the lengths
-    # never visit the host before the verify forward, whose size R + K is known).
-
-    admits_on_device = True
-
-    def next_budget(self, R: int, gamma: int) -> tuple[int, str]:
-        """K for this round: planned `delay` rounds ago (scaled to this R), or R * gamma."""
+    def decide(self, view: BatchView) -> Decision:
+        """K for this round, planned `delay` rounds ago from survivals already verified (scaled
+        to this R), or R * gamma while there is no history; the round admits the top-K
+        survivals on the device (base.device_lengths), or on the host (lengths) when a request
+        filters its rows."""
+        if not any(view.caps):
+            return Decision(tuple(view.caps))
+        R, gamma = len(view), view.gamma
         if len(self._history) >= self.delay:
             K_then, R_then = self._history.popleft()
             K, source = (K_then if R_then == R else round(K_then * R / max(R_then, 1))), "history"
         else:
             K, source = R * gamma, "default"
-        return max(0, min(K, self.max_tokens - R)), source
+        return Decision(tuple(view.caps), budget=max(0, min(K, self.max_tokens - R)),
+                        budget_source=source)
 
-    @staticmethod
-    def admit_on_device(survival: torch.Tensor, cap: torch.Tensor, gamma: int, K: int) -> torch.Tensor:
-        """admit(candidates(survival, cap, gamma), K) without leaving survival's device: int64
-        [R]. K is not clamped on the host; excluded candidates that the top-K reaches form a
-        suffix of their request's row and are cut by the count of leading valid ones."""
-        a = survival[:, :gamma].to(torch.float32)
-        j = torch.arange(1, a.shape[1] + 1, device=a.device)
-        excluded = torch.isnan(a) | torch.isneginf(a) | (j[None, :] > cap[:, None])
-        a = torch.where(a > 0, a, torch.zeros((), device=a.device))
-        a = torch.where(excluded, torch.full((), -torch.inf, device=a.device), a)
-        a = torch.cummin(a, dim=1).values
-        valid = torch.isfinite(a).long().cumprod(dim=1).sum(dim=1)
-        return torch.minimum(ops.prefix_topk(a, K).long(), valid)
+    def lengths(self, decision, c_hat, survival, cap):
+        a = candidates(survival, cap, survival.shape[1])
+        return torch.from_numpy(self.admit(a, decision.budget).astype(np.int64)).to(cap.device)
 
-    def observe(self, survival, cap, lengths, K: int, source: str) -> None:
+    def observe(self, result) -> None:
         """After the round's host read: plans the budget of round t + delay from this round's
-        survivals [R, gamma] and caps [R] (host tensors)."""
-        self._plan(candidates(survival, cap, survival.shape[1]), lengths, K, source)
+        survivals [R, gamma] (on the host) and caps."""
+        d = result.decision
+        if result.survival is None or d.budget is None:
+            return
+        cap = torch.tensor(d.caps, dtype=torch.int64)
+        self._plan(candidates(result.survival, cap, result.survival.shape[1]), result.lengths,
+                   d.budget, d.budget_source)
 
     def _plan(self, a: np.ndarray, lengths, K: int, source: str) -> torch.Tensor:
         """Plans the budget of round t + delay on candidates a and records last_stats. Returns

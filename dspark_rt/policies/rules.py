@@ -2,20 +2,24 @@
 or the longest prefix of confident ones (threshold)."""
 import torch
 
-from .base import VerifyPolicy
+from .base import BatchView, Decision, VerifyPolicy
 
 
 class FixedPolicy(VerifyPolicy):
-    """Verify every draft (l = gamma), the DFlash baseline."""
+    """Verify every draft (l = gamma), the DFlash baseline: the confidences are never read."""
     name = "fixed"
 
-    def lengths(self, c_hat, survival, cap, gamma):
-        return torch.clamp(cap, max=gamma)
+    def decide(self, view: BatchView) -> Decision:
+        return Decision.verify_all(view.caps)
+
+    def lengths(self, decision, c_hat, survival, cap):
+        return cap.clone()
 
 
 class ThresholdPolicy(VerifyPolicy):
     """Longest prefix whose calibrated per-position confidences all exceed `threshold`."""
     name = "threshold"
+    options = ("threshold",)
     needs_confidence = True
 
     def __init__(self, threshold: float = 0.5):
@@ -23,6 +27,6 @@ class ThresholdPolicy(VerifyPolicy):
             raise ValueError(f"threshold must lie in [0, 1], got {threshold!r}")
         self.threshold = threshold
 
-    def lengths(self, c_hat, survival, cap, gamma):
+    def lengths(self, decision, c_hat, survival, cap):
         keep = (c_hat > self.threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
         return torch.minimum(keep, cap)

@@ -1,18 +1,9 @@
-"""The worker layer: Runner (model pair, KV caches, forwards), the Round it runs (DESIGN §2),
-CUDA graphs per bucket, and the profiler of its rounds' throughput SPS(B).
+"""The worker layer: Runner (model pair, KV caches, forwards), the Round it runs (DESIGN §2), the
+RoundState that lives across rounds, CUDA graphs per bucket, and the profiler of its rounds'
+throughput SPS(B). The batch it reads (SeqBatch, pages_for) is a plain type at the bottom of the
+package (dspark_rt/batch.py)."""
+from .round import Round, RoundResult, first_token
+from .runner import MODES, Runner
+from .state import RoundState
 
-Names load lazily, so that the engine's pure-Python bookkeeping can import runner.batch (the
-SeqBatch and the page count) without torch models or the extension."""
-import importlib
-
-_NAMES = {"MODES": "runner", "Runner": "runner", "Round": "round", "RoundResult": "round",
-          "first_token": "round", "SeqBatch": "batch", "pages_for": "batch"}
-
-
-def __getattr__(name):
-    if name in _NAMES:
-        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = sorted(_NAMES)
+__all__ = ["MODES", "Round", "RoundResult", "RoundState", "Runner", "first_token"]

@@ -31,7 +31,7 @@ import torch
 
 from .. import ops
 from ..models.batch import AttnMeta
-from .batch import pages_for
+from ..batch import pages_for
 from .forward import draft_forward
 
 __all__ = ["GraphRunner", "StaticBatch", "default_buckets", "capture_problem"]

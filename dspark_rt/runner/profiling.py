@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from ..policies import Calibration, VerifyPolicy
+from ..policies import Calibration, Decision, VerifyPolicy
 from ..policies.sps import (IDENTITY_FIELDS, SPSProfile, check_profile, gpu_state, measure_profiles,
                            profile_key)
 from ..sampling_params import SamplingParams
-from .batch import SeqBatch, pages_for
+from ..batch import SamplingBatch, SeqBatch, pages_for
 from .round import Round, first_token
 from .runner import Runner
 
@@ -100,13 +100,14 @@ def _gpu(device: torch.device) -> dict:
 
 
 class _FixedLengths(VerifyPolicy):
-    """The profiler's policy: the lengths it was told to verify (capped as usual)."""
+    """The profiler's policy: every request drafts, and verifies the lengths it was told (capped
+    as usual), after the confidences' host read that sync and auto rounds pay too."""
     name = "profile"
 
     def __init__(self):
         self.next = None
 
-    def lengths(self, c_hat, survival, cap, gamma):
+    def lengths(self, decision, c_hat, survival, cap):
         return torch.minimum(self.next, cap)
 
 
@@ -139,7 +140,7 @@ class RoundWorkload:
         per = pages_for(context_len + max(gamma + 1, r.block_size) + 1, r.page_size)
         r.allocate_caches(max_batch * per)
         pages = [list(range(i * per, (i + 1) * per)) for i in range(max_batch)]
-        params = [SamplingParams(temperature=0)] * max_batch
+        params = SamplingBatch.of([SamplingParams(temperature=0)] * max_batch)
         prompts = [torch.randint(0, V, (context_len,), generator=g).tolist() for _ in range(max_batch)]
         self.batch = SeqBatch([context_len] * max_batch, [context_len] * max_batch, pages, pages,
                               [0] * max_batch, [gamma] * max_batch, params, [seed] * max_batch,
@@ -170,7 +171,8 @@ class RoundWorkload:
         R = -(-B // (self.gamma + 1)) if self.shape == "spread" else B
         base, rem = divmod(B - R, R)
         self.policy.next = torch.tensor([base + (i < rem) for i in range(R)], dtype=torch.int64)
-        self.round(self.runner, self.batch.select(list(range(R))), self.policy, self.calibration)
+        self.round(self.runner, self.batch.select(list(range(R))), Decision((self.gamma,) * R),
+                   self.policy, self.calibration)
 
     def release(self):
         self.runner.tcache = self.runner.dcache = None

@@ -14,7 +14,7 @@ import torch
 
 from .. import ops
 from ..models.batch import AttnMeta
-from .batch import SeqBatch, pages_for
+from ..batch import SeqBatch, pages_for
 from .forward import draft_forward
 from .logits_process import filter_rows
 
@@ -64,11 +64,18 @@ class Draft:
         return Draft(put(self.tokens), put(self.z), put(self.lse), put(self.conf_logit), anchor)
 
 
+@dataclass(frozen=True, eq=False)
+class CacheLease:
+    """Who owns a runner's caches: the holder of the current lease (compared by identity)."""
+    num_pages: int
+
+
 class Runner:
     use_graphs = True  # a subclass whose forwards cannot be captured turns the graphs off
-    # the round may keep target features between rounds (deferred drafter context, round.py);
-    # off where the round travels to other processes with its state (parallel.ParallelRunner)
+    # the round state may keep target features between rounds (deferred drafter context,
+    # state.py); off where the round runs on other processes too (parallel.ParallelRunner)
     defers_context = True
+
     def __init__(self, target, drafter, mode: str, page_size: int, device):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -98,6 +105,7 @@ class Runner:
         self.has_confidence = mode == "dspark" and drafter.conf_w is not None
         self.head_weights = self._head_weights()
         self.tcache = self.dcache = None
+        self.lease: CacheLease | None = None
         # Device-to-host reads, all through to_host: a decode round costs one (the emitted
         # tokens), two when a host-side policy reads confidences.
         self.host_reads = 0
@@ -125,6 +133,14 @@ class Runner:
             out["top_k"] = d.top_k
         return out
 
+    def lease_caches(self, num_pages: int) -> "CacheLease":
+        """New caches of num_pages pages each, and the lease on them: its holder (an Engine) owns
+        them until the next lease (runner.lease is the current one)."""
+        self.lease = None
+        self.allocate_caches(num_pages)
+        self.lease = CacheLease(num_pages)
+        return self.lease
+
     def allocate_caches(self, num_pages: int):
         """Target and drafter caches of num_pages pages each (the engine's block managers hand
         the pages out). A failure leaves the runner without caches (never with one of two), and the next call starts afresh."""
@@ -133,10 +149,16 @@ class Runner:
         dcache = self.drafter.make_cache(num_pages, self.page_size) if self.drafter is not None else None
         self.tcache, self.dcache = tcache, dcache
 
-    def run_round(self, round_, batch: SeqBatch, policy, calibration):
-        """round_(self, batch, policy, calibration): the engine runs its Round through here, so a
-        runner that drives other processes (parallel.ParallelRunner) starts it on them too."""
-        return round_(self, batch, policy, calibration)
+    def run_round(self, round_, batch: SeqBatch, decision, policy, calibration, state):
+        """round_(self, batch, decision, policy, calibration, state): the engine runs its Round
+        through here, so a runner that drives other processes (parallel.ParallelRunner) starts
+        it on them too."""
+        return round_(self, batch, decision, policy, calibration, state)
+
+    def decided(self, fn, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor shaped like `like` that the policy computes (fn()): in one process,
+        fn(); under tensor parallelism the leader's, on every rank (ParallelRunner)."""
+        return fn()
 
     # -- host <-> device ---------------------------------------------------------------------
 
@@ -213,9 +235,10 @@ class Runner:
     def rng(self, batch: SeqBatch) -> dict:
         """The ops' random keys (temperature, seed, stream, round_, coupled), in one upload."""
         seeds = [s - (1 << 64) if s >= (1 << 63) else s for s in batch.seeds]
-        coupled = [int(p.coupled) for p in batch.params]
+        sp = batch.sampling
+        coupled = [int(c) for c in sp.coupled]
         ints = self.upload([seeds, batch.streams, batch.rounds, coupled], torch.int64)
-        return dict(temperature=self.upload([p.temperature for p in batch.params], torch.float32),
+        return dict(temperature=self.upload(sp.temperature, torch.float32),
                     seed=ints[0], stream=ints[1], round_=ints[2], coupled=ints[3].to(torch.uint8))
 
     # -- forwards ----------------------------------------------------------------------------
@@ -284,12 +307,13 @@ class Runner:
         """Applies each request's top-k / top-p to its rows of target logits, in place. The
         nucleus is that of the rows widened to logits_dtype (16-bit verify logits stay 16-bit:
         the entries it keeps are untouched, the others -inf, as in the widened rows)."""
-        for i, (p, on) in enumerate(zip(batch.params, batch.filtered)):
+        sp = batch.sampling
+        for i, on in enumerate(sp.filtered):
             if not on:
                 continue
             lo, hi = cu_rows[i], cu_rows[i + 1]
             rows = logits[lo:hi]
-            kept = filter_rows(rows.to(self.logits_dtype) / p.temperature, p.top_k, p.top_p)
+            kept = filter_rows(rows.to(self.logits_dtype) / sp.temperature[i], sp.top_k[i], sp.top_p[i])
             logits[lo:hi] = rows.masked_fill(torch.isinf(kept) & ~torch.isinf(rows), float("-inf"))
         return logits
 

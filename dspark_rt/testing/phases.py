@@ -25,7 +25,6 @@ class TimedRound(Round):
 
     def __init__(self, inner: Round, times: dict):
         self.inner, self.times = inner, times
-        self.deferred = inner.deferred  # one state: uninstalling keeps what the rounds deferred
         for method, phase in PHASES.items():
             setattr(self, method, self._timed(getattr(inner, method), phase))
 

@@ -28,6 +28,7 @@ from ..decoder import Decoder
 from ..outputs import SpecMetrics
 from .prompts import existing_file, read_turns
 from ..sampling_params import SamplingParams
+from ..policies import POLICIES
 from ..policies.sts import _nan_to_none, auc, brier, ece, reliability_diagram, survivals
 
 
@@ -75,34 +76,26 @@ def evaluate(target, drafter, prompts_file, *, mode=None, policy: str = "fixed",
              max_chars: int | None = None) -> dict:
     """Decode prompts_file with (target, drafter) and write summary.json + plots to out_dir.
 
-    mode / policy / threshold / calibration as in Decoder; sps: an SPSProfile or its JSON path
-    for policy sync/async/auto (None: profiling.load_or_profile measures or reuses a cached one;
-    auto also measures or reuses the profile of plain rounds). online_calibration: as in
-    Decoder; warmup: prompts decoded first, not measured; max_chars: cut each first turn.
+    mode / policy / threshold / calibration / sps as in Decoder (a policy's profiles not given
+    are measured or read from this machine's cache); online_calibration: as in Decoder; warmup: prompts decoded first, not measured; max_chars: cut each first turn.
     Returns the summary dict."""
     read_turns(prompts_file, limit)  # a bad prompt file fails before any model is loaded
     dec = Decoder.from_pretrained(target, drafter, mode=mode, policy="fixed", device=device,
                                   dtype=dtype, tensor_parallel_size=tensor_parallel_size)
-    if policy != "fixed" and dec.mode != "ar" and not dec.runner.has_confidence:
-        dec.shutdown()
-        raise ValueError(f"--policy {policy} needs a drafter with a confidence head; {drafter} "
-                         f"has none (mode {dec.mode}): use --policy fixed")
-    if policy in ("sync", "async", "auto") and sps is None and tensor_parallel_size > 1:
-        dec.shutdown()
-        raise ValueError(f"--policy {policy} with --tensor-parallel-size needs --sps (the "
-                         "profiler runs on one process)")
-    if policy in ("sync", "async", "auto") and sps is None:
-        from ..runner.profiling import load_or_profile
-        sps = load_or_profile(dec.runner, progress=progress)
     if policy != "fixed" or calibration is not None or online_calibration:  # reuse the weights
         kw = {"threshold": threshold} if policy == "threshold" else {}
         source = (dec.calibration_source if calibration is None else str(calibration)
                   if isinstance(calibration, (str, Path)) else "given")
-        dec = Decoder(dec.target, dec.drafter, dec.tokenizer, mode=dec.mode, policy=policy,
-                      sps=sps, calibration=calibration if calibration is not None
-                      else dec.calibration, device=dec.device,
-                      tensor_parallel=dec.tensor_parallel, online_calibration=online_calibration,
-                      **kw)
+        loaded = dec
+        try:  # the policy comes from the registry: its profiles are measured or given (sps)
+            dec = Decoder(dec.target, dec.drafter, dec.tokenizer, mode=dec.mode, policy=policy,
+                          sps=sps, calibration=calibration if calibration is not None
+                          else dec.calibration, device=dec.device,
+                          tensor_parallel=dec.tensor_parallel,
+                          online_calibration=online_calibration, **kw)
+        except BaseException:
+            loaded.shutdown()
+            raise
         if source and dec.calibration_source:
             dec.calibration_source = dec.calibration_source.replace("given", source)
     prompts = prompts_for(dec, prompts_file, max_tokens=max_tokens, limit=limit, chat=chat,
@@ -199,10 +192,10 @@ def main(argv=None) -> int:
                      "lengths, tokens/s and confidence calibration; write summary.json + plots.")
     ap.add_argument("--mode", choices=["ar", "dflash", "dspark"],
                     help="default: dspark when the drafter has a head or confidence, else dflash")
-    ap.add_argument("--policy", default="fixed", choices=["fixed", "threshold", "sync", "async", "auto"])
+    ap.add_argument("--policy", default="fixed", choices=sorted(POLICIES))
     ap.add_argument("--threshold", type=float, default=0.5, help="for --policy threshold")
     ap.add_argument("--calibration", type=existing_file, help="STS JSON (ours or SGLang's)")
-    ap.add_argument("--sps", type=existing_file, help="SPS profile JSON for sync/async (default: the "
+    ap.add_argument("--sps", type=existing_file, help="SPS profile JSON for sync/async/auto (default: the "
                     "cached profile of this machine, measured now if there is none)")
     ap.add_argument("--out", default="out/eval", help="folder for summary.json and the plots")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
