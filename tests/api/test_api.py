@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark_rt import Decoder, SamplingParams
-from tests.helpers import full_forward_logits
+from tests.support.helpers import full_forward_logits
 
 PROMPTS = [[5, 6, 7], [11], [20, 21, 22, 23, 24, 25]]
 
@@ -206,7 +206,7 @@ def test_incremental_text_equals_full_decode():
     from pathlib import Path
 
     from dspark_rt.checkpoint.tokenizer import IncrementalText, Tokenizer
-    tok = Tokenizer.from_pretrained(Path(__file__).parents[1] / "dspark_rt" / "pretrained" / "target")
+    tok = Tokenizer.from_pretrained(Path(__file__).parents[2] / "dspark_rt" / "pretrained" / "target")
     rng = random.Random(0)
     samples = [tok.encode("naïve café — 世界 😀 ok"), tok.encode("def f(x):\n    return x\n")]
     samples += [[rng.randrange(tok.vocab_size) for _ in range(60)] for _ in range(20)]

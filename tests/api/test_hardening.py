@@ -15,7 +15,7 @@ from dspark_rt.engine import EngineConfig
 from dspark_rt.engine.engine import Engine
 from dspark_rt.checkpoint.tokenizer import Tokenizer
 
-PRETRAINED = __import__("pathlib").Path(__file__).resolve().parent.parent / "dspark_rt" / "pretrained"
+PRETRAINED = __import__("pathlib").Path(__file__).resolve().parents[2] / "dspark_rt" / "pretrained"
 GREEDY = dict(temperature=0)
 
 

@@ -106,7 +106,7 @@ def test_zlab_dflash_loads(tmp_path, target_dir, target):
 def test_transformers_save_pretrained_loads(tmp_path, arch):
     """A directory written by transformers itself (v5: rope_parameters, tied head omitted)."""
     import transformers
-    from tests.helpers import full_forward_logits
+    from tests.support.helpers import full_forward_logits
     cls, ccls = {"qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
                  "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig)}[arch]
     torch.manual_seed(0)

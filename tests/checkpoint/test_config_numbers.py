@@ -14,7 +14,7 @@ from dspark_rt.checkpoint import CheckpointError
 from dspark_rt.checkpoint.config import TargetConfig
 from dspark_rt.checkpoint.drafter_config import DrafterConfig
 
-from tests import packagings as pk
+from tests.support import packagings as pk
 
 PRETRAINED = Path(dspark_rt.__file__).parent / "pretrained"
 BAD = [math.nan, math.inf, -math.inf]

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 from dspark_rt.checkpoint import CheckpointError, DrafterConfig, TargetConfig
 from dspark_rt.policies.sps import SPSProfile, read_sglang_sps_table
 from dspark_rt.policies.sts import STSResult, read_sglang_sts, read_temperatures
-from tests.fuzz_support import FUZZ, NASTY, VALUE
+from tests.support.fuzz_support import FUZZ, NASTY, VALUE
 
 PRETRAINED = files("dspark_rt") / "pretrained"
 

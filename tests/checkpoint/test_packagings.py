@@ -23,8 +23,8 @@ from dspark_rt.checkpoint.drafter_config import DrafterConfig
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.policies import ThresholdPolicy
 from dspark_rt.policies.sts import read_temperatures
-from tests import packagings as pk
-from tests.test_lossless import DRAFTERS, PROMPTS, TARGET
+from tests.support import packagings as pk
+from tests.support.shipped_pair import DRAFTERS, PROMPTS, TARGET
 
 PROMPTS4 = PROMPTS[:4]
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

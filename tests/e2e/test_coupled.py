@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from dspark_rt import Decoder, SamplingParams
-from tests.test_sampling_distribution import PROMPT, T as T_DIST, V as V_DIST, _pvalues
-from tests.test_sampling_distribution import exact, small_pair  # noqa: F401 (fixtures)
-from tests.test_scheduler_equality import synthetic_profile
+from tests.support.profiles import synthetic_profile
+from tests.support.small_pair import PROMPT, T as T_DIST, V as V_DIST, pvalues
+from tests.support.small_pair import exact, small_pair  # noqa: F401 (fixtures)
 
 PROMPTS = [[5], [3, 17, 42, 8, 9, 11, 2], [60, 61], list(range(10, 31)), [7, 7, 7, 7],
            [1, 2, 3], [90, 4, 33], [12] * 9]
@@ -105,7 +105,7 @@ def test_coupled_follows_target(small_pair, exact):  # noqa: F811 (fixtures)
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
     assert 0 < accepted < drafted, (accepted, drafted)
     assert toks.max() < V_DIST
-    p = _pvalues(toks, exact)
+    p = pvalues(toks, exact)
     print(f"coupled: p-values {p}, accepted {accepted}/{drafted}")
     assert min(p.values()) > 1e-3, p
 
@@ -123,6 +123,6 @@ def test_shared_noise_fails(small_pair, exact, monkeypatch):  # noqa: F811 (fixt
     params = [SamplingParams(temperature=T_DIST, seed=SEED0 + i, max_tokens=4, ignore_eos=True,
                              coupled=True) for i in range(500)]
     outs = dec.generate([PROMPT] * 500, params, use_tqdm=False)
-    p = _pvalues(np.array([o.token_ids[:3] for o in outs]), exact)
+    p = pvalues(np.array([o.token_ids[:3] for o in outs]), exact)
     print("shared-noise coupling p-values", p)
     assert min(p.values()) < 1e-6, p

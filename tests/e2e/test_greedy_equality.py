@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark_rt import Decoder, SamplingParams
-from tests.helpers import full_forward_logits
+from tests.support.helpers import full_forward_logits
 
 PROMPTS = [[5], [3, 17, 42, 8, 9, 11, 2], [60, 61], list(range(10, 31)), [7, 7, 7, 7]]
 

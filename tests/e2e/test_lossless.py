@@ -30,29 +30,8 @@ from dspark_rt import Decoder, SamplingParams
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.policies import AsyncScheduler, SyncScheduler, ThresholdPolicy
 from dspark_rt.policies.sps import SPSProfile
-from pathlib import Path
+from tests.support.shipped_pair import DRAFTERS, MAX_TOKENS, PROMPTS, TARGET, acceptance, check_equal
 
-
-PAIR = Path(__file__).resolve().parent.parent / "dspark_rt" / "pretrained"
-TARGET = PAIR / "target"
-DRAFTERS = {"vanilla": PAIR / "dspark", "gated": PAIR / "dspark_gated", "rnn": PAIR / "dspark_rnn",
-            "none": PAIR / "dflash"}
-# Code the target was not trained on (it saw the standard library; these are written here),
-# chosen from 36 candidates as the ones its drafters accept most deeply (2026-12-02: the target
-# no longer falls into greedy loops, so no prompt here has drafts accepted whole block after
-# block; the first is one of the few with whole blocks at all, for the batch-1 cases).
-PROMPTS = [
-    "def __eq__(self, other):\n    if not isinstance(other, type(self)):\n        return NotImplemented\n",
-    "class Error(Exception):\n    pass\n\n\nclass ",
-    "# Copyright (c) the authors.\n\"\"\"Utilities for parsing configuration files.\"\"\"\n",
-    "    def __repr__(self):\n        return ",
-    "import os\nimport sys\n\n__all__ = [",
-    "A = 1\nB = 2\nC = 3\nD = 4\nE = 5\n",
-    "    def __getitem__(self, key):\n        return self._data[key]\n\n"
-    "    def __setitem__(self, key, value):\n",
-    "    def close(self):\n        ",
-]
-MAX_TOKENS = 48
 THRESHOLD = 0.5  # uncalibrated confidences: cuts a third to two fifths of the drafts on this pair
 # A verify-token profile under which sync and async admit some drafts and cut others on this
 # pair: SPS(B) = B^-1/6, so a draft pays while its survival exceeds about tau / 6B.
@@ -113,22 +92,6 @@ def _decode(head, policy, dtype, batch):
     return first, second, hit
 
 
-def _check_equal(outs, ref, dtype):
-    for prompt, o, want in zip(PROMPTS, outs, ref):
-        if o.token_ids != want:
-            i = next((i for i, (a, b) in enumerate(zip(o.token_ids, want)) if a != b), len(want))
-            raise AssertionError(f"{prompt!r}: differs from plain decoding in {dtype} at {i}")
-
-
-def _acceptance(outs):
-    rounds = sum(o.metrics.num_rounds for o in outs)
-    acc = sum(o.metrics.num_accepted_tokens for o in outs)
-    full = sum(o.metrics.acceptance_histogram[-1] for o in outs)
-    drafted = sum(o.metrics.num_draft_tokens for o in outs)
-    gamma = outs[0].metrics.gamma
-    return (acc + rounds) / rounds, full / rounds, drafted / (rounds * gamma)
-
-
 CASES = [(h, p, dt, b) for (h, p) in FLOORS for dt in ("float64", "float32") for b in (1, 8)
          if b == 8 or (h, p) in {("vanilla", "fixed"), ("vanilla", "threshold"), ("none", "fixed")}]
 
@@ -138,9 +101,9 @@ CASES = [(h, p, dt, b) for (h, p) in FLOORS for dt in ("float64", "float32") for
 def test_greedy_equals_plain_decoding_while_accepting(ar_tokens, head, policy, dtype, batch):
     first, second, hit = _decode(head, policy, dtype, batch)
     for outs in (first, second):
-        _check_equal(outs, ar_tokens[dtype][:batch], dtype)
+        check_equal(outs, ar_tokens[dtype][:batch], dtype)
     assert hit, "the second run must hit the prefix cache"
-    tau, full, verified = _acceptance(first + second)
+    tau, full, verified = acceptance(first + second)
     tau_min, full_min = FLOORS[(head, policy)]
     print(f"{head} {policy} {dtype} b{batch}: tau {tau:.2f} full {full:.2f} verified {verified:.2f}")
     assert tau >= tau_min and full >= full_min, (tau, full)
@@ -209,7 +172,7 @@ def test_acceptance_collapse_is_caught(ar_tokens, name):
     with mutate(dec):
         outs = dec.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == ar_tokens["float64"], "output must stay exact"
-    tau, full, _ = _acceptance(outs)
+    tau, full, _ = acceptance(outs)
     tau_min, full_min = FLOORS[(head, "fixed")]
     print(f"{name}: tau {tau:.2f} full {full:.2f}")
     assert tau < tau_min or full < full_min, f"{name} kept tau {tau:.2f}, full {full:.2f}"

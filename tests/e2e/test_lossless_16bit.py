@@ -19,7 +19,7 @@ from dspark_rt import Decoder, SamplingParams
 from dspark_rt.policies import AsyncScheduler, AutoPolicy, SyncScheduler, ThresholdPolicy
 from dspark_rt.policies.sps import SPSProfile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "dspark_rt" / "pretrained"
 EVAL = ROOT.parent / "shared" / "data" / "eval" / "humaneval.jsonl"
 DRAFTERS = {"vanilla": "dspark", "gated": "dspark_gated", "rnn": "dspark_rnn", "none": "dflash"}

@@ -33,7 +33,7 @@ the token being verified, is threshold-lookahead above.
 """
 import pytest
 
-from tests import lossless_harness as H
+from tests.support import lossless_harness as H
 
 N = 10_000
 

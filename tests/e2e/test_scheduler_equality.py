@@ -10,18 +10,12 @@ import pytest
 
 from dspark_rt import Decoder, SamplingParams
 from dspark_rt.runner.profiling import profile_runner
-from dspark_rt.policies.sps import SPSProfile
+from tests.support.profiles import synthetic_profile
 
 PROMPTS = [[5], [3, 17, 42, 8, 9, 11, 2], [60, 61], list(range(10, 31)), [7, 7, 7, 7]]
 MAX_TOKENS = 24
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 CASES = [("vanilla", 4), ("gated", 7), ("rnn", 4)]
-
-
-def synthetic_profile(max_tokens: int) -> SPSProfile:
-    """SPS(B) = 1000 / (1 + B / 4): admitting a draft of survival a at tau, B pays iff
-    a > tau / (4 + B), a cut inside the range of the tiny drafters' confidences (~0.3-0.8)."""
-    return SPSProfile.from_pairs({B: 1000.0 / (1.0 + B / 4.0) for B in range(1, max_tokens + 1)})
 
 
 @pytest.fixture(scope="module")

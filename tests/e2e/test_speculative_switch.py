@@ -3,7 +3,7 @@ speculating ones (shipped pair, float64)."""
 import pytest
 
 from dspark_rt import Decoder, SamplingParams
-from tests.test_lossless import DRAFTERS, PROMPTS, TARGET
+from tests.support.shipped_pair import DRAFTERS, PROMPTS, TARGET
 
 N = 24
 

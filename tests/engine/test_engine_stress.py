@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from dspark_rt import Decoder, SamplingParams
-from tests.helpers import full_forward_logits
+from tests.support.helpers import full_forward_logits
 
 N_GOOD = 2000            # good requests per mode (the bad ones come on top)
 BAD_SHARE = 0.10         # share of submissions that are bad

@@ -6,15 +6,10 @@ z-lab's model in tests/test_packagings.py; the sampled law, with a wrong variant
 (q over the whole vocabulary instead of the candidates), is in tests/test_lossless_sampling.py.
 
 Greedy acceptance needs a drafter that predicts the target, and no DFlash2 is trained for the
-shipped pair. The oracle below is a DFlash2 whose selector holds a bigram table of the target's
-own greedy text on PROMPTS: its backbone is live but scaled down (o_proj and down_proj x 0.01),
-so every draft slot's hidden state stays close to the normed mask embedding h0; the hidden
-projection maps h0 to the all-ones vector, so the selector's bias is <A[prev], B[b]>, with B
-built so that it is large exactly for the recorded successor of prev. Where the text repeats a
-bigram, whole blocks are accepted.
+shipped pair: the oracle (tests/support/dflash2_oracle.py) is a DFlash2 whose selector holds a
+bigram table of the target's own greedy text on PROMPTS. Where the text repeats a bigram, whole
+blocks are accepted.
 """
-from collections import Counter
-
 import pytest
 import torch
 
@@ -22,43 +17,15 @@ from dspark_rt import Decoder, SamplingParams, ops
 from dspark_rt.models.load import load_drafter
 from dspark_rt.models.qwen3 import Qwen3Model
 from dspark_rt.testing import write_tiny_target
-from tests import packagings as pk
-from tests.test_lossless import MAX_TOKENS, PROMPTS, TARGET, _acceptance, _check_equal
+from tests.support import packagings as pk
+from tests.support.dflash2_oracle import oracle_dflash2
+from tests.support.shipped_pair import MAX_TOKENS, PROMPTS, TARGET, acceptance, check_equal
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # tau and share of rounds accepting all 7 drafts, floors at 0.85 x tau and 0.5 x the share
 # measured on PROMPTS at batch 8 (2026-12-02, the target without greedy loops: tau 2.63, share
 # 0.028, float64 and float32 alike; the shuffled-codebook mutant below: 1.03 / 0)
 FLOOR_TAU, FLOOR_FULL = 2.24, 0.014
-
-
-def oracle_dflash2(tmp, sequences, target=TARGET, *, rank=128, top_k=2048, scale=20.0,
-                   block_size=8, target_layer_ids=(0, 1, 2)):
-    """A DFlash2 (block 8: gamma 7) over `target` whose selector drafts the most frequent
-    successor of the previous token in `sequences` (module docstring)."""
-    path = pk.dflash2(tmp, target, layers=1, block_size=block_size, rank=rank, top_k=top_k,
-                      seed=2, output_multiplier=0.01, softcap=0.0, target_layer_ids=target_layer_ids)
-    cfg, t = pk.read(path)
-    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
-        t[name] = t[name] * 0.01
-    emb = pk.read(target)[1]["model.embed_tokens.weight"].double()
-    e = emb[cfg["dflash_config"]["mask_token_id"]]
-    h0 = t["norm.weight"].double() * e * torch.rsqrt(e.pow(2).mean() + cfg["rms_norm_eps"])
-    t["candidate_selector.hidden_projection.weight"] = \
-        (torch.ones(rank, 1, dtype=torch.float64) * (h0 / h0.pow(2).sum())).float()
-    V = emb.shape[0]
-    g = torch.Generator().manual_seed(7)
-    A = torch.randn(V, rank, generator=g) / rank ** 0.5
-    pairs = Counter((a, b) for s in sequences for a, b in zip(s, s[1:]))
-    succ = {}
-    for (a, b), n in sorted(pairs.items(), key=lambda kv: kv[1]):
-        succ[a] = b  # the most frequent successor wins (ascending counts, last write)
-    B = torch.zeros(V, rank)
-    for a, b in succ.items():
-        B[b] += scale * A[a]
-    t["candidate_selector.predecessor_codebook"] = A
-    t["candidate_selector.successor_codebook"] = B
-    return pk._write(path, cfg, t)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +45,8 @@ def test_greedy_equals_plain_decoding_while_accepting(oracle, dtype):
     want = want64 if dtype == "float64" else [
         o.token_ids for o in Decoder.from_pretrained(TARGET, mode="ar", dtype=dtype).generate(
             PROMPTS, GREEDY, use_tqdm=False)]
-    _check_equal(outs, want, dtype)
-    tau, full, _ = _acceptance(outs)
+    check_equal(outs, want, dtype)
+    tau, full, _ = acceptance(outs)
     print(f"DFlash2 oracle {dtype}: tau {tau:.2f}, whole blocks {full:.3f}")
     assert tau >= FLOOR_TAU and full >= FLOOR_FULL, (tau, full)
 
@@ -97,7 +64,7 @@ def test_a_selector_that_ignores_the_previous_token_loses_its_acceptance(tmp_pat
     outs = Decoder.from_pretrained(TARGET, str(broken), dtype="float64").generate(
         PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == want64
-    tau, full, _ = _acceptance(outs)
+    tau, full, _ = acceptance(outs)
     print(f"shuffled predecessor codebook: tau {tau:.2f}, whole blocks {full:.3f}")
     assert tau < FLOOR_TAU and full < FLOOR_FULL, (tau, full)
 

@@ -745,7 +745,7 @@ _SANITIZE_SCRIPT = textwrap.dedent("""
 def test_sanitizer(tool, tmp_path):
     script = tmp_path / "exercise.py"
     script.write_text(_SANITIZE_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1",  # exact allocations: OOB is caught
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     cmd = ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=3", sys.executable, str(script)]

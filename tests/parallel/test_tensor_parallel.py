@@ -14,7 +14,7 @@ from dspark_rt.engine import EngineConfig
 from dspark_rt.models.qwen3 import Qwen3Model
 from dspark_rt.parallel import shard as shard_mod
 from dspark_rt.parallel.shard import Shard
-from tests.tp_support import (GREEDY, PROMPTS, _stop_groups, group, pair, parallel,  # noqa: F401
+from tests.support.tp_support import (GREEDY, PROMPTS, _stop_groups, group, pair, parallel,  # noqa: F401
                               single, stop_all)
 
 CASES = [("ar", "fixed"), ("dflash", "fixed"), ("dspark", "fixed"), ("dspark", "threshold"),
@@ -173,7 +173,7 @@ def test_dflash2_drafter(tiny_target, tmp_path_factory):
     process, greedy and seeded sampling. The drafter is test_dflash2's oracle (a bigram table of
     the target's greedy text in its selector), so drafts are accepted and their acceptance
     tells a mis-sharded drafter apart."""
-    from tests.test_dflash2 import oracle_dflash2
+    from tests.support.dflash2_oracle import oracle_dflash2
     plain = Decoder.from_pretrained(tiny_target, mode="ar", dtype="float64")
     seqs = [p + o.token_ids for p, o in zip(PROMPTS, plain.generate(PROMPTS, GREEDY, use_tqdm=False))]
     ddir = oracle_dflash2(tmp_path_factory.mktemp("tp_dflash2"), seqs, tiny_target, rank=32,

@@ -15,7 +15,7 @@ from dspark_rt import Decoder, SamplingParams
 from dspark_rt.models.qwen3 import Qwen3Model
 from dspark_rt.parallel import WorkerError
 from dspark_rt.parallel.launch import _free_port
-from tests.tp_support import (GREEDY, PROMPTS, _stop_groups, group, kw, pair,  # noqa: F401
+from tests.support.tp_support import (GREEDY, PROMPTS, _stop_groups, group, kw, pair,  # noqa: F401
                               parallel, script_env, single, stop_all)
 
 
@@ -149,7 +149,7 @@ def test_nccl_greedy_equals_single_gpu(pair, mode, policy):
     """2 ranks over NCCL (cuda:0, cuda:1) against one GPU, in float32 (the CUDA kernels take no
     float64): equal up to the first position whose top two float64 target logits lie within
     1e-3 (a near-tie float32 may order either way in the two reductions)."""
-    from tests.helpers import full_forward_logits
+    from tests.support.helpers import full_forward_logits
     _two_gpus()
     stop_all()
     opts = dict(dtype="float32", device="cuda", **kw(mode, policy))

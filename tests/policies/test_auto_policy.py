@@ -8,7 +8,7 @@ import torch
 from dspark_rt import Decoder, SamplingParams
 from dspark_rt.policies import AutoPolicy
 from dspark_rt.policies.sps import SPSProfile
-from tests.test_lossless import DRAFTERS, PROMPTS, TARGET
+from tests.support.shipped_pair import DRAFTERS, PROMPTS, TARGET
 
 SPEC = SPSProfile([2 ** i for i in range(12)], [2 ** (-i / 2) for i in range(12)])
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

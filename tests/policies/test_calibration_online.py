@@ -16,7 +16,7 @@ from dspark_rt.policies.online import fit_platt, fit_table
 from dspark_rt.tools.calibrate import calibrate
 from dspark_rt.tools.evaluate import evaluate
 
-from tests import lossless_harness as H
+from tests.support import lossless_harness as H
 
 GAMMA = 4
 PLANTED = np.array([0.5, 2.0, 1.5, 3.0])  # raw logit = true logit * planted_k
@@ -170,7 +170,7 @@ def test_survival_is_a_prefix_product_on_any_input():
 @pytest.fixture(scope="module")
 def shipped():
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1] / "dspark_rt" / "pretrained"
+    root = Path(__file__).resolve().parents[2] / "dspark_rt" / "pretrained"
     return str(root / "target"), str(root / "dspark")
 
 

@@ -13,7 +13,7 @@ import torch
 
 from dspark_rt import ops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_lease.sh"
 STEPS = ["build", "tests_ops", "tests_graphs", "kernels", "e2e", "sanitizer"]
 

@@ -5,7 +5,7 @@ import ast
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "dspark_rt"
+PKG = Path(__file__).resolve().parents[2] / "dspark_rt"
 
 # Bottom to top. A module may import modules of its own layer and of the layers below.
 LAYERS = [

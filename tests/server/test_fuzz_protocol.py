@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from dspark_rt import SamplingParams
 from dspark_rt.checkpoint.tokenizer import Tokenizer
 from dspark_rt.server.protocol import APIError, GenRequest, parse_chat, parse_completion
-from tests.fuzz_support import FUZZ, JUNK, NASTY, VALUE
+from tests.support.fuzz_support import FUZZ, JUNK, NASTY, VALUE
 
 TARGET = str(files("dspark_rt") / "pretrained" / "target")
 SAMPLING = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",

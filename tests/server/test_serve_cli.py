@@ -9,7 +9,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from dspark_rt.tools import serve  # noqa: E402
-from tests.test_server import DRAFTER, TARGET, _free_port  # noqa: E402
+from tests.support.server import DRAFTER, TARGET, _free_port  # noqa: E402
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ equals the whole response, chat, per-request metrics reconcile with the Promethe
 OpenAI errors, disconnects free their pages, and a bounded load test."""
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -17,43 +15,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from dspark_rt import Decoder, SamplingParams  # noqa: E402
-from dspark_rt.server import build_app  # noqa: E402
 from dspark_rt.tools.serve import build_state  # noqa: E402
-from importlib.resources import files  # noqa: E402
-
-PRETRAINED = files("dspark_rt") / "pretrained"
-TARGET, DRAFTER = str(PRETRAINED / "target"), str(PRETRAINED / "dspark")
-MODEL = "tiny"
-PROMPTS = ["def quicksort(xs):", "import os\n\ndef read_lines(path):", "class Stack:\n    def push(self",
-           "    for i in range(len(items)):", "# parse the arguments\nimport argparse\n",
-           "def __repr__(self):\n        return", "while True:\n    line = f.readline()",
-           "from collections import"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    """uvicorn serving the app in a thread; stop() shuts it down and joins."""
-
-    def __init__(self, state):
-        self.state, self.port = state, _free_port()
-        cfg = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port, log_level="warning")
-        self.uv = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        t0 = time.monotonic()
-        while not self.uv.started:
-            assert self.thread.is_alive() and time.monotonic() - t0 < 60, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.uv.should_exit = True
-        self.thread.join(30)
+from tests.support.server import (DRAFTER, MODEL, PROMPTS, TARGET, _free_port, _pages_back,  # noqa: E402
+                                  _Server)
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +54,6 @@ def _metrics(server) -> dict:
 def _spec(obj) -> dict:
     extra = obj.model_extra if hasattr(obj, "model_extra") else obj
     return extra["metrics"]["speculative_decoding"]
-
-
-def _pages_back(state, timeout=30.0):
-    """Every page of both caches back in the pool and no request left in the engine."""
-    eng, t0 = state.engine, time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if not eng.requests and not state.loop._live and all(
-                bm.num_used == 0 for bm in (eng.target_blocks, eng.drafter_blocks) if bm):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_health_and_models(server, client):
@@ -409,7 +362,7 @@ def test_serve_command(tmp_path):
     import sys
     from pathlib import Path
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     cmd = [sys.executable, "-m", "dspark_rt", "serve", "--target", TARGET, "--drafter", DRAFTER,
            "--port", str(port), "--served-model-name", MODEL, "--max-num-seqs", "4",
            "--log-level", "warning"]

@@ -13,7 +13,7 @@ pytest.importorskip("uvicorn")
 
 from dspark_rt.parallel import WorkerError  # noqa: E402
 from dspark_rt.tools.serve import build_state  # noqa: E402
-from tests.test_server import DRAFTER, MODEL, PROMPTS, TARGET, _pages_back, _Server  # noqa: E402
+from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _pages_back, _Server  # noqa: E402
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -161,7 +161,7 @@ def test_dead_engine_thread_takes_the_server_down(own_server):
 def test_killed_tensor_parallel_worker_takes_the_server_down(tiny_target, tiny_drafters):
     """A real 2-rank CPU group: a worker killed while the server idles shows on /health at once,
     and requests get 503 naming it instead of a 500 each, forever."""
-    from tests.tp_support import stop_all
+    from tests.support.tp_support import stop_all
     stop_all()
     state = build_state(tiny_target, tiny_drafters("vanilla", 4), mode="dspark", dtype="float64",
                         served_model_name=MODEL, max_num_seqs=2, tensor_parallel_size=2)

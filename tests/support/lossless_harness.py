@@ -26,7 +26,7 @@ from dspark_rt.policies import AsyncScheduler, AutoPolicy, SyncScheduler, Thresh
 from dspark_rt.policies.sps import SPSProfile
 from dspark_rt.runner import Runner
 
-from tests.helpers import batched_full_logits
+from tests.support.helpers import batched_full_logits
 
 V, PROMPT, N_TOK = 8, [1, 2, 3], 5
 HEADS = ("none", "vanilla", "gated", "rnn")
@@ -62,7 +62,7 @@ def _dflash2(root, target):
     """A DFlash2 drafter (gamma 3) whose selector matters: its unary is capped, its candidates
     are the top 4 of 8 (half the vocabulary is never drafted, so the residual must cover it),
     and its codebooks give a strong order-one bias among them."""
-    from tests import packagings as pk
+    from tests.support import packagings as pk
     path = pk.dflash2(root / "dflash2_src", target, layers=1, block_size=4, rank=4, top_k=4,
                       seed=11, output_multiplier=1.0, softcap=6.0, target_layer_ids=[0])
     f = os.path.join(path, "model.safetensors")

@@ -54,7 +54,7 @@ def parallel(key, pair, mode, policy) -> Decoder:
 
 def script_env() -> dict:
     """The environment of a subprocess that imports this checkout's dspark_rt."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
 

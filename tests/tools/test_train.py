@@ -15,9 +15,9 @@ from dspark_rt.ops import reference
 from dspark_rt.train.__main__ import main as train_main
 from dspark_rt.train.dense import drafter_block_forward, target_forward
 from dspark_rt.train.drafter_net import DrafterNet, drafter_config, save_drafter
-from tests.helpers import full_forward_logits
+from tests.support.helpers import full_forward_logits
 
-PRETRAINED = Path(__file__).resolve().parents[1] / "dspark_rt" / "pretrained"
+PRETRAINED = Path(__file__).resolve().parents[2] / "dspark_rt" / "pretrained"
 TINY = ["--hidden", "32", "--layers", "3", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
         "--intermediate", "64", "--ctx", "128", "--seq", "32"]
 FAST = ["--threads", "1", "--batch", "4", "--lr", "1e-2", "--warmup", "2"]
