@@ -1,6 +1,6 @@
 """Numbers in checkpoint configs (dspark_rt/checkpoint/): a non-finite float (JSON NaN, Infinity)
 in any field of a target or drafter config.json is refused at load with a CheckpointError that
-names the file and the field; so are huge and wrong-typed values (tests/test_loader_fuzz.py)."""
+names the file and the field; so are huge and wrong-typed values (tests/checkpoint/test_fuzz_loaders.py)."""
 import json
 import math
 import shutil

@@ -2,7 +2,7 @@
 
 A mis-parsed drafter keeps the output exact (rejection sampling guarantees it) and only loses
 acceptance, so equal tokens prove nothing. Each case writes the *same trained weights* (the
-shipped pair in dspark_rt/pretrained) in a packaging's layout (tests/packagings.py) and in the
+shipped pair in dspark_rt/pretrained) in a packaging's layout (tests/support/packagings.py) and in the
 canonical DeepSpec layout, decodes both greedily in float64, and asserts identical tokens, equal
 to plain decoding, and identical acceptance round by round (rounds, acceptance histogram,
 acceptance by position). MUST_FAIL lists mis-parses reported in public trackers; each is applied
@@ -92,7 +92,7 @@ def _speculators_dflash_draft_vocab(tmp):
     return pk.speculators(DFLASH, tmp / "p", TARGET, draft_ids=ids), canon, {}
 
 
-# SpecForge: DeepSpec-trained drafters as SpecForge's own exporter writes them (tests/packagings.py
+# SpecForge: DeepSpec-trained drafters as SpecForge's own exporter writes them (tests/support/packagings.py
 # specforge, checked field for field against specforge/export/to_hf.py's output); canonical: the
 # same drafter in DeepSpec's layout
 def _specforge(tmp, drafter=VANILLA, **kw):
@@ -538,7 +538,7 @@ def test_speculators_layer_config_is_written_without_defaults(tmp_path):
     assert cfg.target_layer_ids == DrafterConfig.from_json(VANILLA).target_layer_ids
 
 
-# -- DFlash2: backbone and proposal against their reference (tests/test_dflash2.py: served) --
+# -- DFlash2: backbone and proposal against their reference (tests/models/test_dflash2.py: served) --
 
 def _dflash2_dense(w, emb, c, feats, block_ids, n_ctx, window=None):
     """z-lab DFlash2DraftModel.forward for one request, transcribed densely from

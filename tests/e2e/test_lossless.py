@@ -14,9 +14,9 @@ layers: MUST_FAIL_GREEDY) fails the suite.
 
 float32 and float64 must match exactly: the target's forward is row-invariant (exact mode, the
 CPU default; DESIGN §6), so a verify chain gives each row the bits a plain decoding step gives
-it, near-ties included. bfloat16 and float16: tests/test_lossless_16bit.py.
+it, near-ties included. bfloat16 and float16: tests/e2e/test_lossless_16bit.py.
 
-Sampled (tests/test_lossless_sampling.py): the joint law of emitted tokens across round
+Sampled (tests/e2e/test_lossless_sampling.py): the joint law of emitted tokens across round
 boundaries against the exact law, every policy while it admits drafts, T 0.6 / 1.0 / 1.5, with
 and without top-k / top-p, and a table of wrong variants that must fail, with their power.
 """

@@ -3,7 +3,7 @@ output equals plain greedy output token for token on 64 held-out code prompts, f
 (DSpark vanilla / gated / RNN heads, DFlash), every policy (fixed, threshold, sync, async, auto),
 at batch 8 and at batch 1 (16 of the prompts; DFlash and DSpark vanilla under fixed) — while drafts are accepted (tau floors, as in test_lossless.py) —
 and seeded coupled sampling at T 0.7 equals seeded coupled plain sampling. No near-tie allowance: the
-target's forward is row-invariant (DESIGN §6, tests/test_row_invariance.py), so a verify chain
+target's forward is row-invariant (DESIGN §6, tests/ops/test_row_invariance.py), so a verify chain
 gives each row the bits plain decoding gives it.
 
 Seen failing on the code before row invariance (bf16 attention on the reference path): see the

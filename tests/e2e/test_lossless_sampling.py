@@ -1,6 +1,6 @@
 """Sampled output follows the target's law exactly, and the test can tell realistic bugs apart.
 
-Harness (tests/lossless_harness.py): an 8-token target, so the exact joint law of the first five
+Harness (tests/support/lossless_harness.py): an 8-token target, so the exact joint law of the first five
 emitted tokens is computed by enumeration; drafters with gamma 3 (every head type, heads made
 strong enough to matter, and a DFlash2 drafting from its top 4 of the 8 tokens), so y2..y5 straddle one or two round boundaries. A case samples
 N = 10,000 seeded requests through Decoder.generate and tests seven statistics: the marginals
@@ -10,7 +10,7 @@ must fail at p < 1e-6. The policies run while they choose: threshold 0.5 on conf
 depend on the previous token, sync and async on the profile SPS(B) = B^-1/2 (async with budgets
 planned on an earlier batch), each asserted to verify some drafts and cut others.
 
-Power (`python -m tests.lossless_harness --n 10000`, 2-core CPU, 2026-12-01): each mutant's
+Power (`python -m tests.support.lossless_harness --n 10000`, 2-core CPU, 2026-12-01): each mutant's
 noncentrality measured at 10,000 samples, scaled to N, gives the probability of p < 1e-6:
 
 | mutant | what is wrong | p at N (correct code, same case) | power at 3,000 / 10,000 |
@@ -27,7 +27,7 @@ noncentrality measured at 10,000 samples, scaled to N, gives the probability of 
 
 The retrospective Algorithm 1 (paper Appendix A; search past the first drop) needs a batch of one
 request to show its bias end to end, too slow here (power 0.5 at 3,000 one-request rounds); it is
-caught through the real rejection_sample in tests/test_schedulers.py::
+caught through the real rejection_sample in tests/policies/test_schedulers.py::
 test_appendix_a_retrospective_fails (p 1e-84), and its cousin, a verify decision that peeks at
 the token being verified, is threshold-lookahead above.
 """

@@ -2,8 +2,8 @@
 speculative output equals plain decoding while its drafts are being accepted.
 
 The backbone (dynamic convolutions) and the reference proposal are held to a transcription of
-z-lab's model in tests/test_packagings.py; the sampled law, with a wrong variant that must fail
-(q over the whole vocabulary instead of the candidates), is in tests/test_lossless_sampling.py.
+z-lab's model in tests/checkpoint/test_packagings.py; the sampled law, with a wrong variant that must fail
+(q over the whole vocabulary instead of the candidates), is in tests/e2e/test_lossless_sampling.py.
 
 Greedy acceptance needs a drafter that predicts the target, and no DFlash2 is trained for the
 shipped pair: the oracle (tests/support/dflash2_oracle.py) is a DFlash2 whose selector holds a

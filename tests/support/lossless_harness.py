@@ -1,9 +1,9 @@
-"""The harness behind tests/test_lossless_sampling.py: exact output laws of a tiny target, sampling
+"""The harness behind tests/e2e/test_lossless_sampling.py: exact output laws of a tiny target, sampling
 through the public API, the statistics, their power, and the deliberately wrong variants.
 
 Run as a script to re-measure the power table of the test module's docstring:
 
-    python -m tests.lossless_harness            # every case and mutant at N_POWER samples
+    python -m tests.support.lossless_harness            # every case and mutant at N_POWER samples
 
 Target: 8 tokens, so the exact joint law of the first five emitted tokens y1..y5 after the prompt
 is computable by enumeration (8**4 sequences in one batched forward). Drafters: gamma 3, so y2..y5
