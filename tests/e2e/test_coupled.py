@@ -2,7 +2,7 @@
 decoding emits, whatever the mode, policy, verify lengths or batch; and its output follows the
 target's distribution.
 
-Models run in float64 (see test_greedy_equality.py): the coupled token is the argmax of
+Models run in float64 (see test_lossless.py): the coupled token is the argmax of
 row / T + gumbel, so equality with plain decoding needs the verify forward's logits to order
 like the one-token forward's, which float64 makes certain short of a ~1e-15 near-tie.
 """

@@ -10,7 +10,10 @@ and float32. Every case also asserts acceptance: mean acceptance length and the 
 rounds that accept the whole block stay above floors recorded from the pair (FLOORS), so
 equality is checked while drafts are being accepted, and an acceptance collapse with exact
 output (a drafter off by one position, a lost head, stale context, features from the wrong
-layers: MUST_FAIL_GREEDY) fails the suite.
+layers: MUST_FAIL_GREEDY) fails the suite. The reference is checked too: plain decoding is the
+argmax of a fresh full forward. What the shipped pair lacks (gamma 1 and 4, z-lab's 1+N block
+layout, one-token prompts) runs on the random tiny fixtures in float64, and on a GPU the CUDA
+backend in float32 (gpu).
 
 float32 and float64 must match exactly: the target's forward is row-invariant (exact mode, the
 CPU default; DESIGN §6), so a verify chain gives each row the bits a plain decoding step gives
@@ -30,6 +33,7 @@ from dspark_rt import Decoder, SamplingParams
 from dspark_rt.models.drafter import Drafter
 from dspark_rt.policies import AsyncScheduler, SyncScheduler, ThresholdPolicy
 from dspark_rt.policies.sps import SPSProfile
+from tests.support.helpers import full_forward_logits
 from tests.support.shipped_pair import DRAFTERS, MAX_TOKENS, PROMPTS, TARGET, acceptance, check_equal
 
 THRESHOLD = 0.5  # uncalibrated confidences: cuts a third to two fifths of the drafts on this pair
@@ -109,6 +113,72 @@ def test_greedy_equals_plain_decoding_while_accepting(ar_tokens, head, policy, d
     assert tau >= tau_min and full >= full_min, (tau, full)
     if policy != "fixed":  # the policy must really choose: cut some blocks, verify others
         assert 0.05 < verified < 0.95, f"{policy} verified {verified:.2f} of the drafts"
+
+
+def test_plain_decoding_is_the_argmax_of_a_full_forward(ar_tokens):
+    """The reference itself: each token of plain decoding (paged, one token a step) is the argmax
+    of one fresh, cache-free forward over the prompt and the tokens before it."""
+    for dtype in ("float64", "float32"):
+        dec = Decoder.from_pretrained(TARGET, mode="ar", dtype=dtype)
+        for prompt, want in zip(PROMPTS, ar_tokens[dtype]):
+            ids = dec.tokenizer.encode(prompt)
+            logits = full_forward_logits(dec.target, ids + want[:-1])[len(ids) - 1:]
+            assert logits.argmax(-1).tolist() == want, f"{prompt!r} in {dtype}"
+
+
+# --- layouts and block sizes the shipped pair lacks ---------------------------------------------
+# The shipped drafters are anchor-first with gamma 7. Gamma 1 and 4 and z-lab's 1+N layout run on
+# the random tiny fixtures (conftest.py) in float64, which also needs no row invariance: an argmax
+# could flip between the one-token forward and the verify forward only on a near-tie of ~1e-15.
+# The batch has prompts of one token and of many; random drafters accept little, but every case
+# accepts some drafts (1 of 461 to 22 of 71, measured) and rejects others.
+TINY_PROMPTS = [[5], [3, 17, 42, 8, 9, 11, 2], [60, 61], list(range(10, 31)), [7, 7, 7, 7]]
+TINY_CASES = [(k, b, p) for k in ("none", "vanilla", "gated", "rnn") for b in (1, 4)
+              for p in ("fixed", "threshold")] + [("zlab", 4, "fixed"), ("zlab", 7, "fixed")]
+TINY_PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_ar(tiny_target):
+    dec = Decoder.from_pretrained(tiny_target, mode="ar", dtype="float64")
+    return [o.token_ids for o in dec.generate(TINY_PROMPTS, TINY_PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind,block_size,policy", TINY_CASES,
+                         ids=[f"{k}-block{b}-{p}" for k, b, p in TINY_CASES])
+def test_greedy_equals_plain_decoding_on_other_layouts(tiny_target, tiny_drafters, tiny_ar,
+                                                       kind, block_size, policy):
+    mode = "dflash" if kind in ("none", "zlab") and policy == "fixed" else "dspark"
+    dec = Decoder.from_pretrained(tiny_target, tiny_drafters(kind, block_size), mode=mode,
+                                  policy=policy, threshold=0.3, dtype="float64")
+    outs = dec.generate(TINY_PROMPTS, TINY_PARAMS, use_tqdm=False)
+    for prompt, want, o in zip(TINY_PROMPTS, tiny_ar, outs):
+        assert o.token_ids == want, f"prompt {prompt}: {kind} block {block_size} {policy}"
+    acc = sum(o.metrics.num_accepted_tokens for o in outs)
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    print(f"{kind} block {block_size} {policy}: accepted {acc} of {drafted}")
+    assert 0 < acc < drafted, (acc, drafted)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,mode", [("vanilla", "dspark"), ("gated", "dspark"), ("rnn", "dspark"),
+                                       ("none", "dflash"), ("zlab", "dflash")])
+def test_cuda_greedy_equals_plain_decoding(tiny_target, tiny_drafters, kind, mode):
+    """On the GPU in float32 (the CUDA kernels take no float64; exact mode is off there):
+    speculative output equals plain decoding up to the first position whose top two target
+    logits lie within 1e-3 of each other in float64 (a near-tie that float32 rounding of the two
+    forwards may order either way)."""
+    ar = Decoder.from_pretrained(tiny_target, mode="ar", dtype="float32", device="cuda")
+    spec = Decoder.from_pretrained(tiny_target, tiny_drafters(kind, 4), mode=mode,
+                                   dtype="float32", device="cuda")
+    ref64 = Decoder.from_pretrained(tiny_target, mode="ar", dtype="float64").target
+    for prompt, a, s in zip(TINY_PROMPTS, ar.generate(TINY_PROMPTS, TINY_PARAMS, use_tqdm=False),
+                            spec.generate(TINY_PROMPTS, TINY_PARAMS, use_tqdm=False)):
+        diff = next((i for i, (x, y) in enumerate(zip(a.token_ids, s.token_ids)) if x != y), None)
+        if diff is None:
+            continue
+        top2 = full_forward_logits(ref64, list(prompt) + a.token_ids[:diff])[-1].topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-3, f"prompt {prompt}: differs at {diff} without a near-tie"
 
 
 # --- silent acceptance collapse: exact output, lost acceptance ---------------------------------

@@ -2,7 +2,7 @@
 
 The sync and async schedulers choose each request's verify length from confidences and a
 throughput profile; whatever they choose, greedy output must be the target's own tokens. Runs
-in float64 (see test_greedy_equality.py for why) on a batch of prompts of mixed lengths, with a
+in float64 (see test_lossless.py for why) on a batch of prompts of mixed lengths, with a
 synthetic profile shaped so the schedulers cut chains (checked: some rounds verify fewer drafts
 than the cap allows, some verify more than none) and with one measured by profile_runner.
 """
