@@ -94,7 +94,7 @@ SEED0 = 30_000
 
 
 def test_coupled_follows_target(small_pair, exact):  # noqa: F811 (fixtures)
-    """Chi-square of (y2, y3) against the exact enumeration (test_sampling_distribution.py);
+    """Chi-square of (y2, y3) against the exact enumeration (tests/support/small_pair.py);
     y2 and y3 come from the first speculative round, accepted or not."""
     dec = Decoder.from_pretrained(small_pair[0], small_pair[1]["vanilla"], mode="dspark")
     params = [SamplingParams(temperature=T_DIST, seed=SEED0 + i, max_tokens=4, ignore_eos=True,

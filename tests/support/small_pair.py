@@ -1,8 +1,8 @@
 """A V=8 target and one gamma-3 drafter per head type, and the exact joint law of its first
 three emitted tokens (y1, y2, y3) at temperature T by enumeration (1 + 8 + 64 forwards), with
 the chi-square p-values of sampled tokens against it. y1 comes from the prefill, y2 and y3 from
-the first speculative round. Used by tests/e2e/test_sampling_distribution.py and
-tests/e2e/test_coupled.py (fixtures small_pair and exact, imported by name)."""
+the first speculative round. Used by tests/e2e/test_coupled.py (fixtures small_pair and exact,
+imported by name); the full law across round boundaries is tests/support/lossless_harness.py."""
 import numpy as np
 import pytest
 import torch
