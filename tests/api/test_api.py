@@ -6,8 +6,10 @@ import torch
 
 from dspark_rt import Decoder, SamplingParams
 from tests.support.helpers import full_forward_logits
+from tests.support.shipped_pair import DRAFTERS, TARGET
 
 PROMPTS = [[5, 6, 7], [11], [20, 21, 22, 23, 24, 25]]
+PROMPT_TEXT = "def parse_args(argv):\n"
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +120,20 @@ def test_eos_stops_unless_ignored(dec):
             assert o.token_ids == r.token_ids
 
 
-def test_stop_strings_truncate_text(dec):
-    ref = dec.generate(["hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0]
+def test_stop_strings_truncate_text():
+    """A stop string in the middle of the greedy text ends the output right before it (the text
+    stops short of it, the tokens are a prefix of the unstopped ones). The shipped pair, whose
+    tokenizer writes real text, so the stop string always exists."""
+    dec = Decoder.from_pretrained(TARGET, DRAFTERS["vanilla"], mode="dspark")
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = dec.generate([PROMPT_TEXT], SamplingParams(**greedy), use_tqdm=False)[0]
     text = ref.text
-    if len(text.strip()) < 4:
-        pytest.skip("tiny tokenizer produced too little text")
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    out = dec.generate(["hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                 stop=[stop]), use_tqdm=False)[0]
+    assert len(text) >= 16, f"the greedy continuation is too short to cut: {text!r}"
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = dec.generate([PROMPT_TEXT], SamplingParams(stop=[stop], **greedy), use_tqdm=False)[0]
     assert out.finish_reason == "stop"
-    assert stop not in out.text and text.startswith(out.text)
+    assert out.text == text[: text.index(stop)]
+    assert out.token_ids == ref.token_ids[: len(out.token_ids)] and len(out.token_ids) < 24
 
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.5}, {"top_k": 2, "top_p": 0.9}])
@@ -162,10 +167,20 @@ def test_metrics_are_consistent(dec):
         assert all(math.isnan(x) or 0 <= x <= 1 for x in m.acceptance_by_position)
 
 
-def test_chat_uses_the_template(dec):
-    out = dec.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
-    assert "hi" in out.prompt and out.prompt != "hi"
-
+def test_chat_renders_the_template_and_decodes_it(dec):
+    """chat renders each conversation with the target's template (ChatML in the tiny fixture),
+    opens the assistant's turn, and decodes the text as generate does."""
+    convs = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]]
+    want = ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+            "<|im_start|>assistant\n"]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = dec.chat(convs, greedy, use_tqdm=False)
+    assert [o.prompt for o in outs] == want
+    ref = dec.generate(want, greedy, use_tqdm=False)
+    assert [(o.prompt_token_ids, o.token_ids) for o in outs] == \
+        [(o.prompt_token_ids, o.token_ids) for o in ref]
 
 
 def test_sync_policy_profiles_once_and_reuses_the_cache(tiny_target, tiny_drafters, tmp_path,

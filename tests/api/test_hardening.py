@@ -259,8 +259,18 @@ def test_bad_constructor_values_fail_at_construction(tiny_target, tiny_drafters,
         Decoder.from_pretrained(tiny_target, tiny_drafters("gated", 4), mode="dspark", **kwargs)
 
 
-def test_numpy_seed_in_constructor(tiny_target):
-    Decoder.from_pretrained(tiny_target, seed=np.int64(3))
+def test_numpy_seed_in_constructor_draws_like_the_int(tiny_target):
+    """Decoder(seed=np.int64(3)) keys the requests without a seed of their own as seed=3 does."""
+    p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def draws(seed):
+        dec = Decoder.from_pretrained(tiny_target, seed=seed)
+        return dec.seed, dec.generate([[5, 6, 7]], p, use_tqdm=False)[0].token_ids
+
+    seed, got = draws(np.int64(3))
+    assert type(seed) is int and seed == 3
+    assert got == draws(3)[1]
+    assert got != draws(np.int64(4))[1], "the constructor's seed must key the draws"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
