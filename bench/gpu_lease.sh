@@ -45,9 +45,9 @@
 #   preflight        10      30   python + torch import, NVML, nvcc --version, cmake/ninja on PATH
 #   build            45     100   cmake configure + 6 .cu (markov_sample.cu alone: 15-18 s of
 #                                 one loaded core for sm_90a here) in parallel on 16 cores, one arch
-#   tests_ops        65     110   pytest -m gpu tests/test_ops_cuda.py (not the sanitizer):
+#   tests_ops        65     110   pytest -m gpu tests/ops/test_ops_cuda.py (not the sanitizer):
 #                                 ~390 cases, a few at 32k context / 32k vocabulary
-#   tests_graphs     30      50   pytest -m gpu test_graphs.py test_greedy_equality.py
+#   tests_graphs     30      50   pytest -m gpu test_graphs.py test_lossless.py
 #   kernels          60     100   bench/bench_kernels.py: verify_attention first, then markov,
 #                                 rejection, prefix_topk; 26 goal shapes, one process; the eager
 #                                 reference (3-4 s a shape) at each op's smallest shape only;
@@ -272,10 +272,10 @@ if ((!STOP)); then
   PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -v -rfE)
   ((DRY)) && PYTEST+=(--collect-only -q)
   junit() { ((DRY)) || echo "$WORK/$1.xml"; }  # GPU mode: a run that passed nothing has failed
-  JUNIT=$(junit tests_ops) run_step tests_ops 110 "${PYTEST[@]}" tests/test_ops_cuda.py -k "not sanitizer" \
+  JUNIT=$(junit tests_ops) run_step tests_ops 110 "${PYTEST[@]}" tests/ops/test_ops_cuda.py -k "not sanitizer" \
     --junitxml="$WORK/tests_ops.xml"
-  JUNIT=$(junit tests_graphs) run_step tests_graphs 50 "${PYTEST[@]}" tests/test_graphs.py \
-    tests/test_greedy_equality.py --junitxml="$WORK/tests_graphs.xml"
+  JUNIT=$(junit tests_graphs) run_step tests_graphs 50 "${PYTEST[@]}" tests/runner/test_graphs.py \
+    tests/e2e/test_lossless.py --junitxml="$WORK/tests_graphs.xml"
 
   # ---- every kernel benchmark, goal shapes, one process, one JSON ---------------------------
   # (verify_attention first; the eager references at each op's smallest shape only)

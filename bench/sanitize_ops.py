@@ -9,7 +9,7 @@ first op. Here inputs are made in numpy and copied into cupy buffers with cupy's
 (one cudaMalloc of the exact size per buffer, so one element past a buffer is out of bounds for
 memcheck); no cupy kernel is compiled or launched; _C is loaded from its file, bypassing
 dspark_rt/__init__ (which imports torch). The params mirror dspark_rt/ops, the door that checks
-arguments (tests/test_gpu_lease.py holds the codes below to it and runs this on the CPU).
+arguments (tests/repo/test_gpu_lease.py holds the codes below to it and runs this on the CPU).
 Attention caches are NaN-poisoned past every kv_len and on pages nobody owns, as in
 dspark_rt/testing/op_cases.py. Every output is checked (ranges, finiteness, the appended rows);
 "sanitize-ok" is printed after the last op, and a failed check exits 1.

@@ -180,7 +180,7 @@ class YarnRotary(Rotary):
     interpolation and extrapolation over a ramp of dimensions, cos / sin scaled by the attention
     factor. Transcribed from the definition in transformers' modeling_rope_utils.py
     (_compute_yarn_parameters) and the YaRN paper (arXiv 2309.00071); checked against it in
-    tests/test_packagings.py."""
+    tests/checkpoint/test_packagings.py."""
 
     def __init__(self, cfg, dtype: torch.dtype, device):
         sc, hd, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta

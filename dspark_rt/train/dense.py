@@ -3,7 +3,7 @@ drafter's block attention over [context ; block] (DESIGN §2 steps 1 and 7).
 
 They run the runtime's own modules (DecoderLayer, RMSNorm, apply_rope from models/qwen3.py) with
 plain PyTorch SDPA instead of the paged cache, so a trained state dict is the runtime's state dict.
-tests/test_train.py checks both against the paged runtime forwards on the same weights.
+tests/tools/test_train.py checks both against the paged runtime forwards on the same weights.
 """
 import torch
 import torch.nn.functional as F
