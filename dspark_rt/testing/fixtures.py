@@ -15,19 +15,11 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..checkpoint.tensors import Checkpoint, resolve_dtype
+from ..train.tokenizer_train import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 __all__ = ["write_tiny_target", "write_tiny_drafter", "write_tiny_dflash", "SPECIAL_TOKENS",
            "CHAT_TEMPLATE"]
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{- raise_exception('unknown role: ' + message['role']) }}"
-    "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Speculative decoding drafts a block of tokens and the target verifies them in one pass.",

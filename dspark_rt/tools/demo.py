@@ -18,8 +18,8 @@ one batch, in every mode, greedily and sampled (T 0.7, a fixed seed), and report
 * whether the greedy continuations fall into a repetition loop (`repetition_loop`);
 * the ECE / AUC of each head's calibrated confidences; plots when matplotlib is installed.
 
-Without the shipped files it falls back to a tiny randomly initialised pair (the whole path
-runs, the acceptance numbers then mean nothing).
+Without the shipped files it stops with an error naming the folder (a random pair's acceptance
+would mean nothing).
 """
 import json
 import os
@@ -27,7 +27,6 @@ import textwrap
 import time
 from pathlib import Path
 
-from .. import testing
 from .calibrate import round_arrays, served_survival
 from ..decoder import Decoder
 from ..outputs import SpecMetrics
@@ -134,18 +133,6 @@ def _shipped():
     return PRETRAINED / "target", {"ar": ("ar", None), "dflash": ("dflash", PRETRAINED / "dflash"), **heads}
 
 
-def _random_pair(out: Path):
-    target, drafter = out / "tiny-target", out / "tiny-dspark"
-    if not (target / "config.json").exists():
-        testing.write_tiny_target(target, seed=1, vocab=512, hidden=128, layers=4, heads=4,
-                                  kv_heads=2, head_dim=32)
-    if not (drafter / "config.json").exists():
-        testing.write_tiny_drafter(drafter, target, head="vanilla", layers=2, block_size=7,
-                                   target_layer_ids=[0, 2], markov_rank=32, confidence=True,
-                                   confidence_markov=True, seed=7, share_target_layers=True)
-    return target, {"ar": ("ar", None), "dflash": ("dflash", drafter), "dspark": ("dspark", drafter)}
-
-
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -230,22 +217,22 @@ def _demo(out: Path, quick, as_json, device):
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     pair = _shipped()
-    trained = pair is not None
-    target, specs = pair if trained else _random_pair(out)
+    if pair is None:
+        raise FileNotFoundError(f"the shipped model pair is missing from {PRETRAINED} (target, dflash "
+                                f"and one of {', '.join(HEADS)}, each with config.json and "
+                                "model.safetensors): reinstall dspark_rt, or rebuild the pair with "
+                                "scripts/make_tiny_pair.sh")
+    target, specs = pair
     prompts = PROMPTS[:3] if quick else PROMPTS
     n_tokens, reps = (32, 2) if quick else (64, 3)
     kinds = {"greedy": SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True),
              "sampled": SamplingParams(temperature=TEMPERATURE, seed=SEED, max_tokens=n_tokens,
                                        ignore_eos=True)}
     say = (lambda *a: None) if as_json else print
-    if trained:
-        say(f"Model pair: {PRETRAINED}\na 3.7 M-parameter Qwen3 target pretrained on Python stdlib "
-            "sources (then trained\nout of greedy repetition loops; still a model this small: "
-            "plausible-looking, not working code);\n"
-            f"drafters (gamma 7): {', '.join(n for n in specs if n != 'ar')}.")
-    else:
-        say(f"NOTE: the shipped model pair is missing from {PRETRAINED};\nrunning a tiny RANDOMLY "
-            f"INITIALISED pair written to {out} instead.\nIts acceptance says nothing about real models.")
+    say(f"Model pair: {PRETRAINED}\na 3.7 M-parameter Qwen3 target pretrained on Python stdlib "
+        "sources (then trained\nout of greedy repetition loops; still a model this small: "
+        "plausible-looking, not working code);\n"
+        f"drafters (gamma 7): {', '.join(n for n in specs if n != 'ar')}.")
     say(f"{len(prompts)} prompts as one batch, {n_tokens} new tokens, greedy and sampled (T "
         f"{TEMPERATURE}, seed {SEED});\n{len(specs)} modes interleaved x {reps} repetitions.\n")
     decoders = {name: Decoder.from_pretrained(target, drafter, mode=mode, device=device)
@@ -278,7 +265,7 @@ def _demo(out: Path, quick, as_json, device):
         plots["acceptance_by_position"] = _plot_acceptance(modes, out / "acceptance_by_position.png")
     spreads = {f"{n} {k}": max(v) / min(v) for (n, k), v in tps.items()}
     meaningful, why = speed_verdict(load_before, load_after, _cores(), spreads)
-    summary = {"pair": "shipped" if trained else "random", "target": str(target),
+    summary = {"pair": "shipped", "target": str(target),
                "n_prompts": len(prompts), "max_tokens": n_tokens, "temperature": TEMPERATURE,
                "seed": SEED, "repetitions": reps, "machine": _machine(device),
                "threads": torch.get_num_threads(),

@@ -10,9 +10,19 @@ import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..testing import CHAT_TEMPLATE, SPECIAL_TOKENS
+__all__ = ["train_tokenizer", "save_tokenizer", "load_tokenizer", "SPECIAL_TOKENS", "CHAT_TEMPLATE"]
 
-__all__ = ["train_tokenizer", "save_tokenizer", "load_tokenizer", "SPECIAL_TOKENS"]
+# The tiny pair's special tokens and ChatML template; the test fixtures write the same ones
+# (dspark_rt/testing/fixtures.py imports them from here).
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def train_tokenizer(texts, vocab: int = 2048) -> Tokenizer:

@@ -114,6 +114,16 @@ def test_high_load_marks_the_speed_not_meaningful(monkeypatch, tmp_path, capsys)
     assert res["speed_meaningful"] is False
 
 
+def test_without_the_shipped_pair_the_demo_stops_naming_the_folder(tmp_path, monkeypatch, capsys):
+    """No random stand-in (its acceptance would mean nothing): one line naming what is missing."""
+    monkeypatch.setattr(demo, "PRETRAINED", tmp_path / "gone")
+    with pytest.raises(SystemExit) as e:
+        cli(["demo", "--quick", "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and str(tmp_path / "gone") in err and "make_tiny_pair.sh" in err
+
+
+@needs_pair
 def test_without_matplotlib_the_demo_skips_the_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
