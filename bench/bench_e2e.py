@@ -357,7 +357,7 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
-    if args.device.startswith("cuda") and "cuda" not in ops.available_backends():
+    if (args.device.startswith("cuda") or torch.cuda.is_available()) and "cuda" not in ops.available_backends():
         sys.exit(f"bench_e2e: a CUDA device is present but dspark_rt._C has no CUDA kernels (backends "
                  f"{ops.available_backends()}): build with DSPARK_CUDA=1 first; nothing measured")
     if args.model != "shipped" and not args.accept_prob:
