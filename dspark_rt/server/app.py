@@ -141,7 +141,9 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
             e.param = g.prompt_field
         raise
     body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop,
-                g.params.skip_special_tokens)
+                g.params.skip_special_tokens, include_stop_str=g.include_stop_str,
+                usage_every_chunk=g.include_usage and g.continuous_usage,
+                prompt_tokens=sub.prompt_tokens)
     if g.stream:
         return StreamingResponse(_stream(state, sub, body, g.include_usage),
                                  media_type="text/event-stream")

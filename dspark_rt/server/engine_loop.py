@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..parallel.runner import WorkerError
 from ..sampling_params import SamplingParams
-from .protocol import APIError
+from .errors import APIError
 
 log = logging.getLogger(__name__)
 

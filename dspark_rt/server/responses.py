@@ -76,18 +76,37 @@ class Logprobs:
 class Body:
     """Builds one request's responses: the whole body, or its stream chunks. stops and
     skip_special_tokens: the request's SamplingParams fields (the stream's text is decoded as
-    the engine decodes the whole text)."""
+    the engine decodes the whole text); include_stop_str: the stop string that ended the text
+    stays in it; usage_every_chunk: each chunk carries the usage so far (prompt_tokens: the
+    prompt's length)."""
 
     def __init__(self, kind: str, model: str, tokenizer, want_logprobs: bool, stops,
-                 skip_special_tokens: bool):
+                 skip_special_tokens: bool, *, include_stop_str: bool = False,
+                 usage_every_chunk: bool = False, prompt_tokens: int = 0):
         self.kind, self.model, self.id = kind, model, new_id(kind)
         self.created = int(time.time())
         self.lp = Logprobs(tokenizer) if want_logprobs else None
-        self.tok = tokenizer
+        self.tok, self.stops, self.skip = tokenizer, list(stops), skip_special_tokens
         self.text = IncrementalText(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.include_stop_str, self.usage_every_chunk = include_stop_str, usage_every_chunk
+        self.prompt_tokens, self.num_tokens = prompt_tokens, 0
         self.sent = ""        # text streamed so far
         self.first = True
+
+    def final_text(self, out: RequestOutput) -> str:
+        """The output's text, with the stop string that ended it when include_stop_str (the
+        engine cuts the text before it): the first of the request's stop strings (in their
+        order) that the whole decoded text holds where the output's text ends."""
+        if not (self.include_stop_str and self.stops and out.finish_reason == "stop"
+                and self.tok is not None):
+            return out.text
+        whole = self.tok.decode(out.token_ids, skip_special_tokens=self.skip)
+        if whole.startswith(out.text):
+            for s in self.stops:
+                if whole.startswith(s, len(out.text)):
+                    return out.text + s
+        return out.text
 
     def _object(self, chunk: bool) -> str:
         if self.kind == "chat":
@@ -107,11 +126,12 @@ class Body:
 
     def full(self, out: RequestOutput) -> dict:
         lp = self._logprobs(out.token_ids, out.logprobs, 0)
+        text = self.final_text(out)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": lp, "finish_reason": finish_reason(out)}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": lp,
+            choice = {"index": 0, "text": text, "logprobs": lp,
                       "finish_reason": finish_reason(out)}
         body = self._root(False, [choice])
         body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
@@ -130,12 +150,16 @@ class Body:
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
         self.first = False
-        return self._root(True, [choice])
+        body = self._root(True, [choice])
+        if self.usage_every_chunk:
+            body["usage"] = usage(self.prompt_tokens, self.num_tokens)
+        return body
 
     def delta(self, new_ids, logprobs) -> dict | None:
         """The chunk of one step's new tokens (None when nothing is to be sent yet).
         logprobs: those tokens' log-probabilities, when asked for."""
         ready = self.sent
+        self.num_tokens += len(new_ids)
         if self.text is not None:
             for t in new_ids:
                 self.text.push(t)
@@ -149,7 +173,9 @@ class Body:
 
     def last(self, new_ids, logprobs, out: RequestOutput) -> dict:
         """The final chunk: the rest of the final text and the finish reason."""
-        rest = out.text[len(self.sent):] if out.text.startswith(self.sent) else ""
+        text = self.final_text(out)
+        rest = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.num_tokens = len(out.token_ids)
         chunk = self._chunk(rest, new_ids, logprobs, finish_reason(out))
         self.sent += rest
         return chunk
