@@ -116,13 +116,15 @@ def test_greedy_text_equals_decoder_generate(client, ref):
         assert got.usage.completion_tokens == len(want.token_ids)
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         m = _spec(got)
-        assert m["num_spec_steps"] == want.metrics.num_rounds
+        assert m["num_rounds"] == want.metrics.num_rounds
+        assert m["num_spec_steps"] == want.metrics.verified_by_position[0]  # rounds that drafted
         assert m["num_accepted_draft_tokens"] == want.metrics.num_accepted_tokens
         # the per-request switch: no drafts verified, the same greedy text
         plain = client.completions.create(model=MODEL, prompt=p, extra_body={"speculative": False},
                                           **_greedy(max_tokens=24))
         assert plain.choices[0].text == want.text
         assert _spec(plain)["num_draft_tokens"] == 0 and _spec(plain)["mean_acceptance_length"] == 1.0
+        assert _spec(plain)["num_spec_steps"] == 0 < _spec(plain)["num_rounds"]
     # token-id prompts too
     ids = ref.tokenizer.encode(PROMPTS[0])
     got = client.completions.create(model=MODEL, prompt=ids, **_greedy(max_tokens=8))
@@ -228,6 +230,11 @@ def test_per_request_metrics_reconcile_with_counters(server, client):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert delta("spec_decode_num_drafts_total") == sum(s["num_spec_steps"] for s in specs)
+    assert delta("spec_decode_num_rounds_total") == sum(s["num_rounds"] for s in specs)
+    # plain requests add rounds, never drafts (nor draft tokens)
+    plain = [s for i, s in enumerate(specs[:-1]) if i % 3 == 2]
+    assert plain and all(s["num_spec_steps"] == s["num_draft_tokens"] == 0 < s["num_rounds"]
+                         for s in plain)
     assert delta("spec_decode_num_draft_tokens_total") == sum(s["num_draft_tokens"] for s in specs)
     assert delta("spec_decode_num_accepted_tokens_total") == \
         sum(s["num_accepted_draft_tokens"] for s in specs)
@@ -235,7 +242,7 @@ def test_per_request_metrics_reconcile_with_counters(server, client):
         assert delta("spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) == \
             sum(s["num_accepted_tokens_per_pos"][k] for s in specs)
     for s in specs:  # each request's numbers agree with themselves
-        assert sum(s["acceptance_histogram"]) == s["num_spec_steps"]
+        assert sum(s["acceptance_histogram"]) == s["num_rounds"]
         assert sum(i * n for i, n in enumerate(s["acceptance_histogram"])) == \
             s["num_accepted_draft_tokens"]
     assert delta("generation_tokens_total") == \

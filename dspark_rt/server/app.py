@@ -27,16 +27,19 @@ MAX_BODY_BYTES = 16 * 2**20  # a 131k-token prompt is ~1 MB of JSON
 class ServerState:
     """engine: the engine.Engine the server steps (sized by the caller); tokenizer: the target's
     (chat template, text); model_name: the served name; max_model_len: the target's context;
-    max_waiting: see EngineLoop; max_body_bytes: the request body limit (default 16 MiB)."""
+    max_waiting, log_interval: see EngineLoop; max_body_bytes: the request body limit (default
+    16 MiB)."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, *,
-                 max_waiting: int = 1024, max_body_bytes: int | None = None):
+                 max_waiting: int = 1024, max_body_bytes: int | None = None,
+                 log_interval: float = 0.0):
         self.engine, self.tokenizer = engine, tokenizer
         # larger request bodies get 413, unread
         self.max_body_bytes = max_body_bytes or MAX_BODY_BYTES
         self.model_name, self.max_model_len = model_name, max_model_len
-        self.metrics = Metrics(model_name, engine.runner.gamma)
-        self.loop = EngineLoop(engine, self.metrics, max_waiting=max_waiting)
+        self.metrics = Metrics(model_name, engine.runner.gamma, max_model_len)
+        self.loop = EngineLoop(engine, self.metrics, max_waiting=max_waiting,
+                               log_interval=log_interval)
         self.created = int(time.time())
 
 
@@ -112,8 +115,8 @@ def build_app(state: ServerState) -> FastAPI:
             "owned_by": "dspark_rt", "max_model_len": state.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics():
-        data, ctype = state.metrics.exposition()
+    async def metrics(request: Request):
+        data, ctype = state.metrics.exposition(request.headers.get("accept"))
         return Response(data, media_type=ctype)
 
     @app.post("/v1/completions")
@@ -171,25 +174,18 @@ def _failed(ev) -> APIError:
 
 
 async def _collect(state: ServerState, sub):
-    """Waits for the request's last Event, timing its first and last tokens."""
-    first = None
+    """Waits for the request's last Event."""
     while True:
         ev = await sub.events.get()
-        if ev.new_token_ids and first is None:
-            first = time.monotonic()
         if ev.finished:
-            if ev.output is not None:
-                state.metrics.latency(sub.arrival, first, time.monotonic(), len(ev.output.token_ids))
             return ev
 
 
 async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
-    done, first = False, None
+    done = False
     try:
         while True:
             ev = await sub.events.get()
-            if ev.new_token_ids and first is None:
-                first = time.monotonic()
             if ev.finished:
                 done = True
                 break
@@ -200,7 +196,6 @@ async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
         if ev.error is not None or out is None:
             yield sse(_failed(ev).body())
         else:
-            state.metrics.latency(sub.arrival, first, time.monotonic(), len(out.token_ids))
             last = body.last(ev.new_token_ids, ev.logprobs, out)
             if include_usage:
                 yield sse(last)

@@ -13,6 +13,7 @@ import uuid
 
 from ..outputs import RequestOutput, SpecMetrics
 from ..checkpoint.tokenizer import IncrementalText
+from .stats import drafted_rounds
 
 
 def new_id(kind: str) -> str:
@@ -20,14 +21,17 @@ def new_id(kind: str) -> str:
 
 
 def spec_metrics(m: SpecMetrics) -> dict:
-    """vLLM's per-request names. A spec step is a round of this request (the drafter drafted for
-    it; the policy may have verified none of the drafts); mean_acceptance_length counts the
-    target's own token, so it is 1 + accepted / steps."""
+    """vLLM's per-request names, counted as the Prometheus counters count: a spec step is a round
+    of this request that drafted (verified at least one draft; rounds run plainly, by the
+    `speculative` switch or the auto policy, are not); mean_acceptance_length counts the
+    target's own token: 1 + accepted / steps (1.0 without steps). num_rounds: every round."""
+    steps = drafted_rounds(m)
     return {"speculative_decoding": {
-        "mean_acceptance_length": m.mean_acceptance_length,
+        "mean_acceptance_length": 1 + m.num_accepted_tokens / steps if steps else 1.0,
         "draft_acceptance_rate": m.draft_acceptance_rate,
         "acceptance_histogram": list(m.acceptance_histogram),
-        "num_spec_steps": m.num_rounds,
+        "num_spec_steps": steps,
+        "num_rounds": m.num_rounds,
         "num_accepted_draft_tokens": m.num_accepted_tokens,
         "num_draft_tokens": m.num_draft_tokens,
         "num_accepted_tokens_per_pos": list(m.accepted_by_position),
