@@ -419,11 +419,12 @@ def test_serve_command(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cmd = [sys.executable, "-m", "dspark_rt", "serve", "--target", TARGET, "--drafter", DRAFTER,
            "--port", str(port), "--served-model-name", MODEL, "--max-num-seqs", "4",
-           "--log-level", "warning"]
+           "--log-level", "info", "--policy", "threshold"]
     bad = subprocess.run(cmd[:4] + ["--target", str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "not a model folder" in bad.stderr
-    proc = subprocess.Popen(cmd, env=env)
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stderr=log)
     try:
         url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
         while True:
@@ -440,3 +441,9 @@ def test_serve_command(tmp_path):
     finally:
         proc.terminate()  # uvicorn shuts down, then re-raises the signal it caught
         assert proc.wait(60) in (0, -15)
+        log.close()
+    # the startup summary names what was loaded and where it listens
+    startup = [line for line in (tmp_path / "server.log").read_text().splitlines()
+               if f"serving '{MODEL}'" in line]
+    assert len(startup) == 1 and f"listening on http://127.0.0.1:{port}" in startup[0]
+    assert "mode dspark, policy threshold" in startup[0] and "KV cache" in startup[0]

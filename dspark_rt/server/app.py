@@ -1,5 +1,6 @@
-"""The HTTP routes (FastAPI on Starlette): /health, /v1/models, /v1/completions,
-/v1/chat/completions (whole or streamed as server-sent events ending in [DONE]) and /metrics.
+"""The HTTP routes (FastAPI on Starlette): /health, /version, /v1/models, /v1/completions,
+/v1/chat/completions (whole or streamed as server-sent events ending in [DONE]), /tokenize,
+/detokenize and /metrics.
 
 A request is checked (protocol), queued on the engine thread (engine_loop), then read from its
 own queue: whole, or chunk by chunk. A client that goes away aborts its request: the streaming
@@ -19,6 +20,7 @@ from .engine_loop import EngineLoop
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, parse_chat, parse_completion
 from .responses import DONE, Body, spec_metrics, sse
+from .tokenize import detokenize, tokenize
 
 
 MAX_BODY_BYTES = 16 * 2**20  # a 131k-token prompt is ~1 MB of JSON
@@ -107,6 +109,28 @@ def build_app(state: ServerState) -> FastAPI:
         if why is not None:
             return _error(APIError(503, f"the engine is down: {why}", type_="service_unavailable"))
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+        return {"version": __version__}
+
+    def _model(body):
+        m = body.get("model") if isinstance(body, dict) else None
+        if m is not None and m != state.model_name:
+            raise APIError(404, f"The model `{m}` does not exist.", "model")
+
+    @app.post("/tokenize")
+    async def tokenize_(request: Request):
+        body = await _json(request, state.max_body_bytes)
+        _model(body)
+        return tokenize(body, state.tokenizer, state.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize_(request: Request):
+        body = await _json(request, state.max_body_bytes)
+        _model(body)
+        return detokenize(body, state.tokenizer)
 
     @app.get("/v1/models")
     async def models():

@@ -138,3 +138,14 @@ def check_fields(body: dict, table: dict, where: str = ""):
 def _short(v) -> str:
     r = repr(v)
     return r if len(r) <= 80 else r[:77] + "..."
+
+# -- /tokenize and /detokenize (vLLM's shapes) -----------------------------------------------
+
+TOKENIZE = dict(served={"model", "prompt", "add_special_tokens", "return_token_strs"},
+                inert=set(), neutral={})
+TOKENIZE_CHAT = dict(served={"model", "messages", "add_generation_prompt", "chat_template_kwargs",
+                             "add_special_tokens", "return_token_strs"},
+                     inert=set(), neutral={"tools": CHAT["neutral"]["tools"],
+                                           "continue_final_message":
+                                               CHAT["neutral"]["continue_final_message"]})
+DETOKENIZE = dict(served={"model", "tokens"}, inert=set(), neutral={})
