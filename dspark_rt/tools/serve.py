@@ -91,6 +91,17 @@ def fraction(s) -> float:
     return v
 
 
+def shipped_or_dir(kind: str):
+    """argparse type: a model folder, or `shipped`: the package's own pretrained/<kind> folder
+    (the tiny pair `dspark-rt demo` runs, package data of an installed dspark_rt)."""
+    def parse(s):
+        if s != "shipped":
+            return model_dir(s)
+        from importlib.resources import files
+        return model_dir(str(files("dspark_rt") / "pretrained" / kind))
+    return parse
+
+
 def seconds(s) -> float:
     """argparse type: a number of seconds >= 0."""
     try:
@@ -119,8 +130,10 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dspark-rt serve", description="An OpenAI-compatible server "
                                  "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
                                  "/metrics, /tokenize, /detokenize, /version) over one continuous-batching Engine.")
-    ap.add_argument("--target", required=True, type=model_dir, help="target model folder")
-    ap.add_argument("--drafter", type=model_dir, help="drafter folder (none: plain decoding)")
+    ap.add_argument("--target", required=True, type=shipped_or_dir("target"),
+                    help="target model folder, or `shipped`: the package's tiny target")
+    ap.add_argument("--drafter", type=shipped_or_dir("dspark"), help="drafter folder, or "
+                    "`shipped`: the package's tiny DSpark drafter (none: plain decoding)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--served-model-name", help="the model name clients send (default: --target)")
