@@ -1,5 +1,6 @@
-"""The HTTP routes (FastAPI on Starlette): /health, /v1/models, /v1/completions,
-/v1/chat/completions (whole or streamed as server-sent events ending in [DONE]) and /metrics.
+"""The HTTP routes (FastAPI on Starlette): /health, /version, /v1/models, /v1/completions,
+/v1/chat/completions (whole or streamed as server-sent events ending in [DONE]), /tokenize,
+/detokenize and /metrics.
 
 A request is checked (protocol), queued on the engine thread (engine_loop), then read from its
 own queue: whole, or chunk by chunk. A client that goes away aborts its request: the streaming
@@ -19,6 +20,7 @@ from .engine_loop import EngineLoop
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, parse_chat, parse_completion
 from .responses import DONE, Body, spec_metrics, sse
+from .tokenize import detokenize, tokenize
 
 
 MAX_BODY_BYTES = 16 * 2**20  # a 131k-token prompt is ~1 MB of JSON
@@ -27,16 +29,19 @@ MAX_BODY_BYTES = 16 * 2**20  # a 131k-token prompt is ~1 MB of JSON
 class ServerState:
     """engine: the engine.Engine the server steps (sized by the caller); tokenizer: the target's
     (chat template, text); model_name: the served name; max_model_len: the target's context;
-    max_waiting: see EngineLoop; max_body_bytes: the request body limit (default 16 MiB)."""
+    max_waiting, log_interval: see EngineLoop; max_body_bytes: the request body limit (default
+    16 MiB)."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, *,
-                 max_waiting: int = 1024, max_body_bytes: int | None = None):
+                 max_waiting: int = 1024, max_body_bytes: int | None = None,
+                 log_interval: float = 0.0):
         self.engine, self.tokenizer = engine, tokenizer
         # larger request bodies get 413, unread
         self.max_body_bytes = max_body_bytes or MAX_BODY_BYTES
         self.model_name, self.max_model_len = model_name, max_model_len
-        self.metrics = Metrics(model_name, engine.runner.gamma)
-        self.loop = EngineLoop(engine, self.metrics, max_waiting=max_waiting)
+        self.metrics = Metrics(model_name, engine.runner.gamma, max_model_len)
+        self.loop = EngineLoop(engine, self.metrics, max_waiting=max_waiting,
+                               log_interval=log_interval)
         self.created = int(time.time())
 
 
@@ -105,6 +110,28 @@ def build_app(state: ServerState) -> FastAPI:
             return _error(APIError(503, f"the engine is down: {why}", type_="service_unavailable"))
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+        return {"version": __version__}
+
+    def _model(body):
+        m = body.get("model") if isinstance(body, dict) else None
+        if m is not None and m != state.model_name:
+            raise APIError(404, f"The model `{m}` does not exist.", "model")
+
+    @app.post("/tokenize")
+    async def tokenize_(request: Request):
+        body = await _json(request, state.max_body_bytes)
+        _model(body)
+        return tokenize(body, state.tokenizer, state.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize_(request: Request):
+        body = await _json(request, state.max_body_bytes)
+        _model(body)
+        return detokenize(body, state.tokenizer)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
@@ -112,8 +139,8 @@ def build_app(state: ServerState) -> FastAPI:
             "owned_by": "dspark_rt", "max_model_len": state.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics():
-        data, ctype = state.metrics.exposition()
+    async def metrics(request: Request):
+        data, ctype = state.metrics.exposition(request.headers.get("accept"))
         return Response(data, media_type=ctype)
 
     @app.post("/v1/completions")
@@ -141,7 +168,9 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
             e.param = g.prompt_field
         raise
     body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop,
-                g.params.skip_special_tokens)
+                g.params.skip_special_tokens, include_stop_str=g.include_stop_str,
+                usage_every_chunk=g.include_usage and g.continuous_usage,
+                prompt_tokens=sub.prompt_tokens)
     if g.stream:
         return StreamingResponse(_stream(state, sub, body, g.include_usage),
                                  media_type="text/event-stream")
@@ -169,25 +198,18 @@ def _failed(ev) -> APIError:
 
 
 async def _collect(state: ServerState, sub):
-    """Waits for the request's last Event, timing its first and last tokens."""
-    first = None
+    """Waits for the request's last Event."""
     while True:
         ev = await sub.events.get()
-        if ev.new_token_ids and first is None:
-            first = time.monotonic()
         if ev.finished:
-            if ev.output is not None:
-                state.metrics.latency(sub.arrival, first, time.monotonic(), len(ev.output.token_ids))
             return ev
 
 
 async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
-    done, first = False, None
+    done = False
     try:
         while True:
             ev = await sub.events.get()
-            if ev.new_token_ids and first is None:
-                first = time.monotonic()
             if ev.finished:
                 done = True
                 break
@@ -198,7 +220,6 @@ async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
         if ev.error is not None or out is None:
             yield sse(_failed(ev).body())
         else:
-            state.metrics.latency(sub.arrival, first, time.monotonic(), len(out.token_ids))
             last = body.last(ev.new_token_ids, ev.logprobs, out)
             if include_usage:
                 yield sse(last)

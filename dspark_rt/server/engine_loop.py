@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from ..parallel.runner import WorkerError
 from ..sampling_params import SamplingParams
-from .protocol import APIError
+from .errors import APIError
+from .stats import RequestTimes, StepStats, _Seen
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class Submission:
     loop: asyncio.AbstractEventLoop
     started: asyncio.Future
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+    seen: _Seen = field(default_factory=_Seen)  # speculative metrics already counted
     request_id: int | None = None
     prompt_tokens: int = 0
     req: object = None       # engine.request.Request
@@ -68,13 +70,15 @@ def _resolve(fut: asyncio.Future, value):
 
 class EngineLoop:
     """engine: an engine.Engine; metrics: a server.metrics.Metrics (or None); max_waiting:
-    requests that may wait for a batch slot (queued or not yet added) before new ones get 503."""
+    requests that may wait for a batch slot (queued or not yet added) before new ones get 503;
+    log_interval: seconds between stats lines in the log (0: none)."""
 
-    def __init__(self, engine, metrics=None, *, max_waiting: int = 1024):
+    def __init__(self, engine, metrics=None, *, max_waiting: int = 1024, log_interval: float = 0.0):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be an int >= 1 (0 would refuse every request), "
                              f"got {max_waiting!r}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self.stats = StepStats(engine, metrics, log_interval)
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Submission]] = []
         self._live: dict[int, Submission] = {}  # request id -> submission, until it leaves
@@ -159,13 +163,16 @@ class EngineLoop:
         while True:
             with self._cv:
                 while not (self._inbox or self._stopping or eng.has_unfinished()):
-                    self._cv.wait()
+                    # woken for the stats line too, which reports an interval's end when idle
+                    self._cv.wait(self.stats.log_interval or None)
+                    self.stats.maybe_log()
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
             for kind, sub in inbox:
                 (self._add if kind == "add" else self._abort)(sub)
             if eng.has_unfinished():
+                t0 = time.monotonic()
                 try:
                     outs = eng.step()
                 except WorkerError as e:  # the tensor-parallel group is gone
@@ -176,12 +183,13 @@ class EngineLoop:
                     self._fail_all(f"engine failure ({type(e).__name__}; see the server log)")
                     continue
                 self.num_steps += 1
+                self.stats.stepped(self._live, outs, t0, time.monotonic())
                 for o in outs:
                     sub = self._live.get(o.request_id)
                     if sub is not None:
                         self._deliver(sub, o.new_token_ids, o.finished, o.output, o.error)
-            if self.metrics is not None:
-                self.metrics.queue(eng.num_running, eng.num_waiting)
+            self.stats.state()
+            self.stats.maybe_log()
         for sub in list(self._live.values()):  # shutting down: nothing stays in flight
             self._abort(sub)
 
@@ -209,8 +217,7 @@ class EngineLoop:
             return
         if self.engine.abort(sub.request_id):  # its pages are back in the pool
             out = self.engine.output(sub.req)
-            if self.metrics is not None:
-                self.metrics.finished(out)
+            self._finished(sub, out)
             _post(sub.loop, sub.events.put_nowait, Event([], None, True, out))
 
     def _deliver(self, sub: Submission, new_ids, finished, output=None, error=None):
@@ -220,18 +227,21 @@ class EngineLoop:
             sub.sent_logprobs += len(new_ids)
         if finished:
             del self._live[sub.request_id]
-            if self.metrics is not None and output is not None:
-                self.metrics.finished(output)  # counters first: a client that sees its
+            if output is not None:
+                self._finished(sub, output)  # counters first: a client that sees its
                 # response and then reads /metrics finds its request counted
         _post(sub.loop, sub.events.put_nowait, Event(list(new_ids), lps, finished, output, error))
+
+    def _finished(self, sub: Submission, out):
+        sub.times.left = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.finished(out, sub.times, sub.params.max_tokens)
 
     def _fail_all(self, why: str, status: int = 500):
         for sub in list(self._live.values()):
             try:
                 if self.engine.abort(sub.request_id):
-                    out = self.engine.output(sub.req)
-                    if self.metrics is not None:
-                        self.metrics.finished(out)
+                    self._finished(sub, self.engine.output(sub.req))
             except Exception:  # noqa: BLE001 - a broken engine: the request leaves regardless
                 log.exception("aborting request %s failed", sub.request_id)
             self._live.pop(sub.request_id, None)

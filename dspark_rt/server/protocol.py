@@ -2,8 +2,8 @@
 target's chat template), SamplingParams and the server's options; or an APIError naming the
 field, with the status and the OpenAI error JSON it answers with.
 
-Unknown fields are ignored (clients send `user`, `metadata`, ...); known fields this server
-cannot honour are refused unless they hold their neutral value, so that no request silently
+Every field is first looked up in its endpoint's table (fields.py): unknown fields, and known
+ones at a value this server cannot honour, are refused by name, so that no request silently
 gets something other than what it asked for.
 """
 import re
@@ -12,29 +12,10 @@ from dataclasses import dataclass
 from ..checkpoint.config import CheckpointError
 from ..checkpoint.tokenizer import ChatTemplateError
 from ..sampling_params import SamplingParams
+from .errors import APIError, bad
+from .fields import CHAT, COMPLETION, MESSAGE, STREAM_OPTIONS, check_fields
 
-
-class APIError(Exception):
-    """status: 400 (bad field), 404 (unknown model or route), 405, 413 (body too large),
-    503 (queue full, engine down), 500 (engine failure)."""
-
-    TYPES = {404: "not_found_error", 503: "server_overloaded"}
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict | None = None, type_: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
-        self.type = type_
-
-    def body(self) -> dict:
-        default = "invalid_request_error" if self.status < 500 else "server_error"
-        kind = self.type or self.TYPES.get(self.status, default)
-        return {"error": {"message": self.message, "type": kind,
-                          "param": self.param, "code": self.status}}
-
-
-def bad(param: str, why: str) -> APIError:
-    return APIError(400, f"{param}: {why}", param)
+__all__ = ["APIError", "GenRequest", "bad", "parse_chat", "parse_completion"]
 
 
 @dataclass
@@ -48,6 +29,8 @@ class GenRequest:
     include_usage: bool
     logprobs: bool
     prompt_field: str             # "prompt" | "messages": what a bad prompt is reported as
+    include_stop_str: bool = False     # the stop string that ended the text stays in it
+    continuous_usage: bool = False     # every stream chunk carries the usage so far
 
 
 # -- field readers ---------------------------------------------------------------------------
@@ -87,13 +70,6 @@ def _bool(body, name, default):
     return v
 
 
-def _neutral(body, name, neutral, why="is not supported"):
-    """A known field this server cannot honour: accepted only at its neutral value."""
-    v = body.get(name)
-    if v is not None and v != neutral and not (isinstance(neutral, tuple) and v in neutral):
-        raise bad(name, f"{why} (got {v!r})")
-
-
 def _stop(body):
     v = body.get("stop")
     if v is None:
@@ -109,16 +85,9 @@ _PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
 def _sampling(body, max_tokens_default, logprobs: bool) -> SamplingParams:
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise bad("n", f"only n = 1 is supported, got {n}")
-    _neutral(body, "best_of", 1, "only best_of = 1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _neutral(body, name, (0, 0.0), "penalties are not supported (0 only)")
-    _neutral(body, "repetition_penalty", (1, 1.0), "penalties are not supported (1 only)")
-    _neutral(body, "logit_bias", {}, "logit_bias is not supported")
-    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
-    max_tokens = _int(body, "max_tokens", max_tokens, lo=1)
+    # both given: max_completion_tokens wins (vLLM's order; OpenAI deprecated max_tokens)
+    max_tokens = _int(body, "max_tokens", None, lo=1)
+    max_tokens = _int(body, "max_completion_tokens", max_tokens, lo=1)
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", f"must be a list of non-negative integers, got {stop_ids!r}")
@@ -129,23 +98,31 @@ def _sampling(body, max_tokens_default, logprobs: bool) -> SamplingParams:
             top_k=top_k, seed=_int(body, "seed"),
             max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
             stop=_stop(body), stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
-            logprobs=logprobs, speculative=_bool(body, "speculative", True))
+            logprobs=logprobs, speculative=_bool(body, "speculative", True),
+            skip_special_tokens=_bool(body, "skip_special_tokens", True))
     except ValueError as e:  # SamplingParams names the field: report it under the API's name
         m = _PARAM.search(str(e))
         field = m.group(1) if m else "request"
         raise bad(field, str(e).replace("SamplingParams.", "")) from None
 
 
-def _stream(body):
+def _stream(body) -> tuple[bool, bool, bool]:
+    """stream, include_usage, continuous_usage_stats."""
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad("stream_options", "is only allowed when stream is true")
     if not isinstance(opts, dict):
         raise bad("stream_options", f"must be an object, got {opts!r}")
-    return stream, _bool(opts, "include_usage", False)
+    check_fields(opts, STREAM_OPTIONS, "stream_options.")
+    return stream, _bool(opts, "include_usage", False), _bool(opts, "continuous_usage_stats", False)
+
+
+def _options(body, stream) -> dict:
+    return dict(include_stop_str=_bool(body, "include_stop_str_in_output", False),
+                continuous_usage=stream[2])
 
 
 def _model(body, default: str) -> str:
@@ -159,33 +136,40 @@ def _model(body, default: str) -> str:
 
 # -- the two endpoints -----------------------------------------------------------------------
 
-def parse_completion(body, *, default_model: str) -> GenRequest:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+def prompt_of(body):
+    """A completion's prompt: a string or token ids (a batch of one is unwrapped)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+        prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise bad("prompt", f"only one prompt per request is supported, got {len(prompt)}")
     if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt))):
         raise bad("prompt", "must be a string or a list of token ids")
-    _neutral(body, "echo", False, "echo is not supported")
-    _neutral(body, "suffix", "", "suffix is not supported")
+    return prompt
+
+
+def parse_completion(body, *, default_model: str) -> GenRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_fields(body, COMPLETION)
+    prompt = prompt_of(body)
     lp = body.get("logprobs")
     if lp is not None and (not _is_int(lp) or lp < 0):
         raise bad("logprobs", f"must be an integer >= 0, got {lp!r}")
     if lp:
-        raise bad("logprobs", f"only logprobs = 0 (the sampled token's log-probability) is "
-                  f"supported; top alternatives are not, got {lp}")
-    stream, usage = _stream(body)
+        raise bad("logprobs", f"top alternatives are not served yet: only logprobs = 0 (the "
+                  f"sampled token's log-probability), got {lp}")
+    stream = _stream(body)
     want = lp is not None
     return GenRequest("completion", _model(body, default_model), prompt,
-                      _sampling(body, 16, want), stream, usage, want, "prompt")
+                      _sampling(body, 16, want), stream[0], stream[1], want, "prompt",
+                      **_options(body, stream))
 
 
-def _message_text(i, m) -> dict:
+def _message(i, m) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad("messages", f"message {i} must be an object with a string role")
+    check_fields(m, MESSAGE, f"messages[{i}].")
     content = m.get("content")
     if content is None:
         content = ""
@@ -196,39 +180,67 @@ def _message_text(i, m) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise bad("messages", f"message {i}: content must be a string or a list of text parts")
-    return {"role": m["role"], "content": content}
+    out = {"role": m["role"], "content": content}
+    if m.get("name") is not None:
+        if not isinstance(m["name"], str):
+            raise bad("messages", f"message {i}: name must be a string")
+        out["name"] = m["name"]
+    return out
 
 
-def parse_chat(body, *, default_model: str, tokenizer, max_model_len: int) -> GenRequest:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+# apply_chat_template's own arguments and the variables it sets: not a request's to override
+_RESERVED = {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token",
+             "pad_token"}
+
+
+def _template_kwargs(body) -> dict:
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise bad("chat_template_kwargs", f"must be an object of template variables, got {kw!r}")
+    taken = sorted(set(kw) & _RESERVED)
+    if taken:
+        raise bad("chat_template_kwargs", f"{taken[0]!r} is set by the server, not the request"
+                  + (" (use the add_generation_prompt field)" if taken[0] == "add_generation_prompt"
+                     else ""))
+    return kw
+
+
+def render_chat(body, tokenizer) -> str:
+    """The conversation as the target's chat template renders it: messages, add_generation_prompt
+    (default true) and chat_template_kwargs (template variables: enable_thinking, ...)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of messages")
-    msgs = [_message_text(i, m) for i, m in enumerate(msgs)]
-    if body.get("tools"):
-        raise bad("tools", "tool calling is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "only {\"type\": \"text\"} is supported")
-    logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None, lo=0)
-    if top is not None and not logprobs:
-        raise bad("top_logprobs", "needs logprobs = true")
-    if top:
-        raise bad("top_logprobs", f"only 0 is supported (the sampled token's log-probability); "
-                  f"got {top}")
+    msgs = [_message(i, m) for i, m in enumerate(msgs)]
+    add = _bool(body, "add_generation_prompt", True)
+    kwargs = _template_kwargs(body)
     if tokenizer is None:
         raise bad("messages", "chat needs a tokenizer and chat template in the target folder")
     try:
-        prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add, **kwargs)
     except ChatTemplateError as e:  # a template may raise on roles it does not know
         # its own words only: the message names the template's file on this machine
         raise bad("messages", f"the chat template refused them: {e.detail}") from None
     except CheckpointError:  # no template (the message names the folder)
         raise bad("messages", "chat needs a chat template in the target folder") from None
-    stream, usage = _stream(body)
+
+
+def parse_chat(body, *, default_model: str, tokenizer, max_model_len: int) -> GenRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_fields(body, CHAT)
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, lo=0)
+    if top is not None and not logprobs:
+        raise bad("top_logprobs", "needs logprobs = true")
+    if top:
+        raise bad("top_logprobs", f"top alternatives are not served yet: only 0 (the sampled "
+                  f"token's log-probability), got {top}")
+    prompt = render_chat(body, tokenizer)
+    stream = _stream(body)
     # without max_tokens a chat answer runs to a stop token or the end of the context
     return GenRequest("chat", _model(body, default_model), prompt,
-                      _sampling(body, max_model_len, logprobs), stream, usage, logprobs,
-                      "messages")
+                      _sampling(body, max_model_len, logprobs), stream[0], stream[1], logprobs,
+                      "messages", **_options(body, stream))

@@ -13,6 +13,7 @@ import uuid
 
 from ..outputs import RequestOutput, SpecMetrics
 from ..checkpoint.tokenizer import IncrementalText
+from .stats import drafted_rounds
 
 
 def new_id(kind: str) -> str:
@@ -20,14 +21,17 @@ def new_id(kind: str) -> str:
 
 
 def spec_metrics(m: SpecMetrics) -> dict:
-    """vLLM's per-request names. A spec step is a round of this request (the drafter drafted for
-    it; the policy may have verified none of the drafts); mean_acceptance_length counts the
-    target's own token, so it is 1 + accepted / steps."""
+    """vLLM's per-request names, counted as the Prometheus counters count: a spec step is a round
+    of this request that drafted (verified at least one draft; rounds run plainly, by the
+    `speculative` switch or the auto policy, are not); mean_acceptance_length counts the
+    target's own token: 1 + accepted / steps (1.0 without steps). num_rounds: every round."""
+    steps = drafted_rounds(m)
     return {"speculative_decoding": {
-        "mean_acceptance_length": m.mean_acceptance_length,
+        "mean_acceptance_length": 1 + m.num_accepted_tokens / steps if steps else 1.0,
         "draft_acceptance_rate": m.draft_acceptance_rate,
         "acceptance_histogram": list(m.acceptance_histogram),
-        "num_spec_steps": m.num_rounds,
+        "num_spec_steps": steps,
+        "num_rounds": m.num_rounds,
         "num_accepted_draft_tokens": m.num_accepted_tokens,
         "num_draft_tokens": m.num_draft_tokens,
         "num_accepted_tokens_per_pos": list(m.accepted_by_position),
@@ -76,18 +80,37 @@ class Logprobs:
 class Body:
     """Builds one request's responses: the whole body, or its stream chunks. stops and
     skip_special_tokens: the request's SamplingParams fields (the stream's text is decoded as
-    the engine decodes the whole text)."""
+    the engine decodes the whole text); include_stop_str: the stop string that ended the text
+    stays in it; usage_every_chunk: each chunk carries the usage so far (prompt_tokens: the
+    prompt's length)."""
 
     def __init__(self, kind: str, model: str, tokenizer, want_logprobs: bool, stops,
-                 skip_special_tokens: bool):
+                 skip_special_tokens: bool, *, include_stop_str: bool = False,
+                 usage_every_chunk: bool = False, prompt_tokens: int = 0):
         self.kind, self.model, self.id = kind, model, new_id(kind)
         self.created = int(time.time())
         self.lp = Logprobs(tokenizer) if want_logprobs else None
-        self.tok = tokenizer
+        self.tok, self.stops, self.skip = tokenizer, list(stops), skip_special_tokens
         self.text = IncrementalText(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.include_stop_str, self.usage_every_chunk = include_stop_str, usage_every_chunk
+        self.prompt_tokens, self.num_tokens = prompt_tokens, 0
         self.sent = ""        # text streamed so far
         self.first = True
+
+    def final_text(self, out: RequestOutput) -> str:
+        """The output's text, with the stop string that ended it when include_stop_str (the
+        engine cuts the text before it): the first of the request's stop strings (in their
+        order) that the whole decoded text holds where the output's text ends."""
+        if not (self.include_stop_str and self.stops and out.finish_reason == "stop"
+                and self.tok is not None):
+            return out.text
+        whole = self.tok.decode(out.token_ids, skip_special_tokens=self.skip)
+        if whole.startswith(out.text):
+            for s in self.stops:
+                if whole.startswith(s, len(out.text)):
+                    return out.text + s
+        return out.text
 
     def _object(self, chunk: bool) -> str:
         if self.kind == "chat":
@@ -107,11 +130,12 @@ class Body:
 
     def full(self, out: RequestOutput) -> dict:
         lp = self._logprobs(out.token_ids, out.logprobs, 0)
+        text = self.final_text(out)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": lp, "finish_reason": finish_reason(out)}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": lp,
+            choice = {"index": 0, "text": text, "logprobs": lp,
                       "finish_reason": finish_reason(out)}
         body = self._root(False, [choice])
         body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
@@ -130,12 +154,16 @@ class Body:
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
         self.first = False
-        return self._root(True, [choice])
+        body = self._root(True, [choice])
+        if self.usage_every_chunk:
+            body["usage"] = usage(self.prompt_tokens, self.num_tokens)
+        return body
 
     def delta(self, new_ids, logprobs) -> dict | None:
         """The chunk of one step's new tokens (None when nothing is to be sent yet).
         logprobs: those tokens' log-probabilities, when asked for."""
         ready = self.sent
+        self.num_tokens += len(new_ids)
         if self.text is not None:
             for t in new_ids:
                 self.text.push(t)
@@ -149,7 +177,9 @@ class Body:
 
     def last(self, new_ids, logprobs, out: RequestOutput) -> dict:
         """The final chunk: the rest of the final text and the finish reason."""
-        rest = out.text[len(self.sent):] if out.text.startswith(self.sent) else ""
+        text = self.final_text(out)
+        rest = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.num_tokens = len(out.token_ids)
         chunk = self._chunk(rest, new_ids, logprobs, finish_reason(out))
         self.sent += rest
         return chunk

@@ -158,8 +158,11 @@ def _plot_acceptance(modes, path):
             ks = np.arange(1, len(vals) + 1)
             ax.bar(ks + (i - (len(spec) - 1) / 2) * width, vals, width,
                    label=f"{name} (tau {r['mean_acceptance_length']:.2f})")
-        ax.set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
-               xticks=ks, title=kind if kind == "greedy" else f"sampled, T {TEMPERATURE}")
+        # acceptance_by_position: rounds that accepted drafts 1..k over rounds that verified k
+        # (unconditional on 1..k-1: it falls with k and sums to about tau - 1)
+        ax.set(xlabel="draft position k", ylabel="P(drafts 1..k all accepted | k verified)",
+               ylim=(0, 1), xticks=ks,
+               title=kind if kind == "greedy" else f"sampled, T {TEMPERATURE}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -288,6 +291,11 @@ def _demo(out: Path, quick, as_json, device):
     print("\n" + (skipped or textwrap.fill(f"plots in {out}: " + ", ".join(Path(p).name for p in
                                                                        plots.values()), WIDTH))
           + f"\nresults: {out / 'results.json'}")
+    if any(k.startswith("reliability_") for k in plots):
+        print(textwrap.fill("reliability_*.png: predicted survival against the observed accept "
+                            "rate per position; 'before' is the raw confidence (temperature 1), "
+                            "'after' the calibration in force (calibration_source in "
+                            "results.json).", WIDTH))
     return summary
 
 

@@ -69,13 +69,15 @@ def test_greedy_text_equals_decoder_generate(client, ref):
         assert got.usage.completion_tokens == len(want.token_ids)
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         m = _spec(got)
-        assert m["num_spec_steps"] == want.metrics.num_rounds
+        assert m["num_rounds"] == want.metrics.num_rounds
+        assert m["num_spec_steps"] == want.metrics.verified_by_position[0]  # rounds that drafted
         assert m["num_accepted_draft_tokens"] == want.metrics.num_accepted_tokens
         # the per-request switch: no drafts verified, the same greedy text
         plain = client.completions.create(model=MODEL, prompt=p, extra_body={"speculative": False},
                                           **_greedy(max_tokens=24))
         assert plain.choices[0].text == want.text
         assert _spec(plain)["num_draft_tokens"] == 0 and _spec(plain)["mean_acceptance_length"] == 1.0
+        assert _spec(plain)["num_spec_steps"] == 0 < _spec(plain)["num_rounds"]
     # token-id prompts too
     ids = ref.tokenizer.encode(PROMPTS[0])
     got = client.completions.create(model=MODEL, prompt=ids, **_greedy(max_tokens=8))
@@ -181,6 +183,11 @@ def test_per_request_metrics_reconcile_with_counters(server, client):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert delta("spec_decode_num_drafts_total") == sum(s["num_spec_steps"] for s in specs)
+    assert delta("spec_decode_num_rounds_total") == sum(s["num_rounds"] for s in specs)
+    # plain requests add rounds, never drafts (nor draft tokens)
+    plain = [s for i, s in enumerate(specs[:-1]) if i % 3 == 2]
+    assert plain and all(s["num_spec_steps"] == s["num_draft_tokens"] == 0 < s["num_rounds"]
+                         for s in plain)
     assert delta("spec_decode_num_draft_tokens_total") == sum(s["num_draft_tokens"] for s in specs)
     assert delta("spec_decode_num_accepted_tokens_total") == \
         sum(s["num_accepted_draft_tokens"] for s in specs)
@@ -188,7 +195,7 @@ def test_per_request_metrics_reconcile_with_counters(server, client):
         assert delta("spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) == \
             sum(s["num_accepted_tokens_per_pos"][k] for s in specs)
     for s in specs:  # each request's numbers agree with themselves
-        assert sum(s["acceptance_histogram"]) == s["num_spec_steps"]
+        assert sum(s["acceptance_histogram"]) == s["num_rounds"]
         assert sum(i * n for i, n in enumerate(s["acceptance_histogram"])) == \
             s["num_accepted_draft_tokens"]
     assert delta("generation_tokens_total") == \
@@ -365,11 +372,12 @@ def test_serve_command(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     cmd = [sys.executable, "-m", "dspark_rt", "serve", "--target", TARGET, "--drafter", DRAFTER,
            "--port", str(port), "--served-model-name", MODEL, "--max-num-seqs", "4",
-           "--log-level", "warning"]
+           "--log-level", "info", "--policy", "threshold"]
     bad = subprocess.run(cmd[:4] + ["--target", str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "not a model folder" in bad.stderr
-    proc = subprocess.Popen(cmd, env=env)
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stderr=log)
     try:
         url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
         while True:
@@ -386,3 +394,9 @@ def test_serve_command(tmp_path):
     finally:
         proc.terminate()  # uvicorn shuts down, then re-raises the signal it caught
         assert proc.wait(60) in (0, -15)
+        log.close()
+    # the startup summary names what was loaded and where it listens
+    startup = [line for line in (tmp_path / "server.log").read_text().splitlines()
+               if f"serving '{MODEL}'" in line]
+    assert len(startup) == 1 and f"listening on http://127.0.0.1:{port}" in startup[0]
+    assert "mode dspark, policy threshold" in startup[0] and "KV cache" in startup[0]
