@@ -1,57 +1,138 @@
-"""Paper estimates (a model, not a measurement) of markov_sample and verify_attention on an H200 at
-the benchmarks' goal shapes, before and after the schedule changes of 2026-12-02: what the next
-GPU lease's `bench_kernels.py` rows are to be read against.
+"""Paper estimates (a model, not a measurement) of markov_sample, rejection_sample and
+verify_attention on an H200 at the benchmarks' goal shapes: today's kernels ("before") and the
+kernels of the batch-1 / issue-bound redesign ("after"), each against its byte floor. What the
+next GPU lease's `bench_kernels.py` rows are to be read against; the first measured run replaces
+every assumption below.
 
     python bench/paper_model.py [--json PATH]
 
-Assumptions (each a stated guess; a lent GPU replaces them):
-  HBM streams 4.3 TB/s sustained; 132 SMs, 2 co-resident blocks each for both kernels (264);
-  inside a CUDA graph a kernel waiting on its predecessor starts ~1.5 us after it ends, ~0.3 us
-  as a programmatic dependent launch; markov's step kernel (one block per request: merge 264
-  partials, a W1 row, the gate) takes ~3 us; L2 serves the later request groups' W2 tiles
-  without HBM traffic; an attention work item streams its KV tiles at the wave's share of HBM,
-  and costs one tile more for its own Q load and output (the planner's model, attn_split.h).
-
-markov_sample, the served bf16 model (bf16 W2 [V, r], float32 z), per drafting call:
-  before: the LM head's bf16 U cast to float32 (2 + 4 B) and copied into the CUDA graph's buffer
-  (4 + 4 B), then per group of <= 64 requests, one after another, per step: a sweep reading W2
-  from HBM and U (4 B), writing z (4 B), a plain launch gap, the step kernel, a gap.
-  after: per step one sweep for all groups (W2 from HBM once), U read in bf16 (2 B), z written
-  (4 B); dependent launches, the sweep's W2 prefetch (up to 32 KB a block) overlapping the step
-  kernel.
-  floor: the benchmark's must_move at the served dtypes / 4.3 TB/s.
-verify_attention (Qwen3-8B: 32 query / 8 KV heads, head_dim 128, bf16, 8 queries a request),
-per layer: before, the split that fills the GPU about once; after, the wave-efficient split
-(_C.attn_split_chunk when the extension is built, else the same search in Python). floor: K, V,
-Q and the output once / 4.3 TB/s.
+A phase that streams memory costs the slowest of four ceilings (`phase`): HBM bytes / 4.3 TB/s;
+warp instructions / issue rate (132 SMs x 4 schedulers x 1 instruction a clock at 1.755 GHz);
+tensor-core FLOPs / the mma.sync rate; bytes / (bytes in flight / HBM latency), Little's law. A
+serial chain (a dependent load after a dependent load) costs its length x the latency (`chain`).
+Launch gaps and kernel ramps add. Assumptions, each a stated guess:
+  HBM 4.3 TB/s, latency 0.65 us; L2 latency 0.25 us; mma.sync bf16 600 TFLOP/s (about 60% of
+  the dense peak: no wgmma); 1.755 GHz; a kernel waiting on its predecessor in a CUDA graph
+  starts 1.5 us after it (plain) or 0.3 us (programmatic dependent launch), and needs ~1 us to
+  get its blocks going (RAMP).
+  Instruction counts per 128-entry item (a warp instruction covers 32 lanes x 4 entries) come
+  from reading the kernels' inner loops, not from SASS (except markov's "before", the desk SASS
+  count of issue 29): see the constants' comments.
+markov_sample: the served bf16 head (bf16 W2 [V, r], bf16 U in, float32 z out), vanilla head with
+  a Markov-feature confidence head (d 4096), T > 0, random logits (no pre-filtering: the most
+  Philox work); W2 from HBM every step (77.8 MB > the 50 MB L2).
+rejection_sample: float32 target logits, every request verifying gamma drafts of which it accepts
+  ACCEPTED (then one rejection), T > 0; floor: bench_rejection_sample.must_move.
+verify_attention: Qwen3-8B (32 query / 8 KV heads, head_dim 128, bf16), 8 queries a request; the
+  split the planner picks (_C.attn_split_chunk, else its Python twin); the split merge priced as
+  the desk review found it (8 x S dependent L2 loads a thread). Its redesign (the merge fused
+  into the attention kernel) belongs to another change: ATTENTION_AFTER is where its estimate
+  goes; until then "after" is today's design.
 """
 import argparse
 import json
 import math
 
-BW = 4.3e12           # B/s
-BLOCKS = 264          # co-resident blocks (2 per SM x 132)
-GAP_PLAIN, GAP_DEP = 1.5e-6, 0.3e-6
-STEP_KERNEL = 3e-6
+BW, LAT_HBM, LAT_L2 = 4.3e12, 0.65e-6, 0.25e-6
+SMS, ISSUE, CLOCK = 132, 4, 1.755e9
+MMA_RATE = 6.0e14
+GAP_PLAIN, GAP_DEP, RAMP = 1.5e-6, 0.3e-6, 1.0e-6
+BLOCKS = 264  # co-resident sweep / attention blocks (2 an SM)
 NO_SPLIT = 0x7fffffff
+L2_BYTES = 50e6
 
 
-def markov(R, gamma, V=151936, r=256, d=4096):
+def phase(nbytes, warp_instr=0.0, flops=0.0, in_flight_per_sm=None):
+    """Seconds of a streaming phase: the slowest of HBM, issue, tensor cores and latency."""
+    t = [nbytes / BW, warp_instr / (SMS * ISSUE * CLOCK), flops / MMA_RATE]
+    if in_flight_per_sm:
+        t.append(nbytes * LAT_HBM / (in_flight_per_sm * SMS))
+    return max(t)
+
+
+def chain(n, latency):
+    """Seconds of n dependent memory round trips."""
+    return n * latency
+
+
+# ---- markov_sample --------------------------------------------------------------------------------
+# Warp instructions per 128-entry item, sampled (T > 0), Philox on every quad:
+#   before: 1,000-1,500 (issue 29, SASS): per item a seed (warp max, ballot, one lane's Philox
+#   and two double logs), OfferGumbel4, and a warp merge of the argmax and the log-sum-exp
+#   (doubles through shuffles) plus lane 0's merge into its slot.
+#   after: U load 1, bias LDS 1, adds 4, z store 1, max 3, log-sum-exp 20 (4 exp, a float sum,
+#   one widening, one double add), Philox 75, 4 float Gumbels 48, compares 10, the pre-filter 5,
+#   the warp's best 10, loop 10: ~190.
+MARKOV_ITEM = {"before": 1250, "after": 190}
+MARKOV_SLOT_REDUCE = 250  # after: a request's lanes merged once a block (double shuffles)
+MARKOV_GATE_TRIPS = {"before": 32, "after": 8}  # gated head's step kernel, r = 256 (not priced
+# at the goal shapes: vanilla head)
+
+
+def markov_floor(R, gamma, V=151936, r=256, d=4096):
     w2 = V * r * 2
-    elems = R * gamma * V
-    per_req = R * gamma * (r + d) * 2 + 36 * R + 20 * R * gamma
-    floor = ((2 + 4) * elems + gamma * w2 + per_req) / BW
+    passes = gamma if w2 > L2_BYTES else 1
+    return ((2 + 4) * R * gamma * V + 2 * (passes * V * r + R * gamma * (r + d) + d + r + 1)
+            + 36 * R + 20 * R * gamma) / BW
+
+
+def markov(R, gamma, which, V=151936, r=256, d=4096):
+    """Seconds of one markov_sample call: head projection + prologue + gamma steps."""
+    items = R * math.ceil(V / 128)
     groups = math.ceil(R / 64)
-    casts = (6 + 8) * elems / BW  # cast pass + graph-buffer copy
-    step_bytes_group = lambda g: w2 + 8 * g * V
-    before = casts
-    for g0 in range(0, R, 64):
-        g = min(64, R - g0)
-        before += gamma * (step_bytes_group(g) / BW + STEP_KERNEL + 2 * GAP_PLAIN) + STEP_KERNEL + GAP_PLAIN
-    del groups
-    prefetch = min(BLOCKS * 32 * 1024 / BW, STEP_KERNEL)  # W2 the sweep streams while it waits
-    after = gamma * ((w2 + 6 * R * V) / BW + STEP_KERNEL + 2 * GAP_DEP - prefetch) + STEP_KERNEL + GAP_PLAIN
-    return floor, before, after
+    sweep_bytes = V * r * 2 + R * V * (2 + 4)
+    instr = items * MARKOV_ITEM[which]
+    if which == "after":
+        instr += R * (BLOCKS // groups) * MARKOV_SLOT_REDUCE
+    sweep = phase(sweep_bytes, instr, flops=2.0 * V * R * r)
+    # serial per step: the sweep's e_eff (L2) and first W2 tile (HBM, half hidden by the
+    # prefetch before its wait), its partials' store; the step kernel's partials (L2), W1 row
+    # (HBM) and reductions (~0.5 us); two dependent launches
+    sweep_tail = LAT_L2 + LAT_HBM / 2 + LAT_L2
+    step = RAMP + LAT_L2 + LAT_HBM + 0.5e-6
+    per_step = sweep + sweep_tail + step + 2 * GAP_DEP
+    # head projection (confidence h part, N = R gamma vectors, d = 4096): before, a warp walks
+    # d / 128 = 32 slabs one round trip each; after, a block's 8 warps walk 4 slabs each
+    N = R * gamma
+    slabs = {"before": d // 128, "after": d // (8 * 128)}[which]
+    head = RAMP + chain(slabs, LAT_HBM) + phase(N * d * 2 + d * 2, N * d / 128 * 1.5) + GAP_PLAIN
+    return head + step + GAP_PLAIN + gamma * per_step
+
+
+# ---- rejection_sample -----------------------------------------------------------------------------
+ACCEPTED = 5  # drafts a request accepts of gamma = 7 ("likely" drafts), then a rejection
+# RowStats: warp instructions per 128-entry item: a test row's log-sum-exp 22 (before: 4 double
+# adds, 30), a bonus row's Gumbel 190, loads 1-2; resident threads an SM: 3 blocks of 256 (70-80
+# registers); in flight a thread: before one 16-byte float4 load (bf16: 8 bytes), after four.
+REJ_ITEM = {"before": {"lse": 30, "gumbel": 190}, "after": {"lse": 22, "gumbel": 190}}
+REJ_IN_FLIGHT = {"before": 768 * 16, "after": 768 * 4 * 16}
+
+
+def rejection_floor(R, gamma=7, V=151936, a=ACCEPTED, tb=4):
+    target_rows = R * (a + 1)
+    rows = target_rows + (R if a < gamma else 0)
+    tested = R * min(a + 1, gamma)
+    return (tb * V * target_rows + 4 * V * (rows - target_rows) + 16 * tested + 32 * R + 4 + 4 * R
+            + 8 * R * (gamma + 1)) / BW
+
+
+def rejection(R, which, gamma=7, V=151936, a=ACCEPTED, tb=4):
+    """Seconds of one rejection_sample call (every row of every request streamed once, the
+    tested rows' drafts checked for NaN / inf, one residual row a rejecting request)."""
+    nbytes = R * (gamma + 1) * V * tb + R * gamma * V * 4
+    instr = (R * gamma * REJ_ITEM[which]["lse"] + R * REJ_ITEM[which]["gumbel"]) * V / 128
+    rowstats = RAMP + phase(nbytes, instr, in_flight_per_sm=REJ_IN_FLIGHT[which])
+    rejecting = R if a < gamma else 0
+    resid = phase(rejecting * V * (tb + 4), rejecting * V / 128 * 60, in_flight_per_sm=768 * 2 * 16)
+    # Decide: row partials (L2), the tests' P(x), q(x) (HBM), the residual sweep, then its merge:
+    # before, a third launch (plain gap, ramp, an L2 read); after, an atomic ticket and an L2 read
+    decide = GAP_PLAIN + RAMP + LAT_L2 + LAT_HBM + resid
+    finish = GAP_PLAIN + RAMP + LAT_L2 if which == "before" else 2 * LAT_L2
+    return rowstats + decide + finish
+
+
+# ---- verify_attention -----------------------------------------------------------------------------
+ATTENTION_AFTER = None  # cuda-attn's redesign (fused merge): fn(R, ctx) -> seconds; None = today
 
 
 def _chunk_python(units, tiles, target):
@@ -82,50 +163,67 @@ def _wave_chunk(units, tiles, target):
         return _chunk_python(units, tiles, target)
 
 
+def attention_floor(R, ctx, n=8, h_q=32, h_kv=8, hd=128):
+    return (R * (ctx + n) * h_kv * hd * 2 * 2 + 2 * R * n * h_q * hd * 2) / BW
+
+
 def attention(R, ctx, n=8, h_q=32, h_kv=8, hd=128):
+    """Seconds of one verify_attention layer as today's kernels run it."""
     L = ctx + n
     tiles, units = math.ceil(L / 64), h_kv * math.ceil(n * h_q // h_kv / 64)
-    kv = R * L * h_kv * hd * 2 * 2
-    qo = 2 * R * n * h_q * hd * 2
-    floor = (kv + qo) / BW
     tile_time = BLOCKS * 64 * hd * 2 * 2 / BW  # one 64-key K + V tile in every block
+    chunk = _wave_chunk([units] * R, [tiles] * R, BLOCKS)
+    S = 1 if chunk == NO_SPLIT else max(1, -(-tiles // chunk))
+    items = R * units * S
+    t = RAMP + math.ceil(items / BLOCKS) * (math.ceil(tiles / S) + 1) * tile_time
+    # the merge launches whether or not anything split; a thread of it walks 8 rows x S partials,
+    # each load behind the previous one's exp2 (desk SASS, issue 29)
+    t += GAP_PLAIN + RAMP + chain(8 * S, LAT_L2) if S > 1 else GAP_PLAIN + RAMP
+    return t
 
-    def run(chunk):
-        S = 1 if chunk == NO_SPLIT else max(1, -(-tiles // chunk))
-        items = R * units * S
-        t = math.ceil(items / BLOCKS) * (math.ceil(tiles / S) + 1) * tile_time
-        if S > 1:  # partials written and merged: O (64 x hd floats) and lse per item
-            t += 2 * items * 64 * (hd + 1) * 4 / BW + GAP_PLAIN
-        return t
 
-    U, W = R * units, R * units * tiles
-    before = NO_SPLIT if U >= BLOCKS else max(2, -(-W // BLOCKS))
-    after = _wave_chunk([units] * R, [tiles] * R, BLOCKS)
-    return floor, run(before), run(after)
+# ---- report ------------------------------------------------------------------------------------------
+def rows():
+    out = []
+    for gamma in (7, 16):
+        for R in (1, 32, 256):
+            out.append(dict(op="markov_sample", shape=f"R={R} gamma={gamma}", floor_us=markov_floor(R, gamma),
+                            before_us=markov(R, gamma, "before"), after_us=markov(R, gamma, "after")))
+    for R in (1, 32, 128, 256):
+        out.append(dict(op="rejection_sample", shape=f"R={R} gamma=7", floor_us=rejection_floor(R),
+                        before_us=rejection(R, "before"), after_us=rejection(R, "after")))
+    for R, ctx in [(1, 4096), (8, 4096), (32, 4096), (128, 4096), (256, 4096), (32, 1024), (1, 32768),
+                   (32, 32768)]:
+        before = attention(R, ctx)
+        after = ATTENTION_AFTER(R, ctx) if ATTENTION_AFTER else before
+        out.append(dict(op="verify_attention", shape=f"R={R} ctx={ctx}", floor_us=attention_floor(R, ctx),
+                        before_us=before, after_us=after))
+    for r in out:
+        for k in ("floor_us", "before_us", "after_us"):
+            r[k] *= 1e6
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
-    rows = []
-    print("markov_sample (bf16 head, V 151936, r 256): us per call, model")
-    print(f"{'R':>4} {'gamma':>5} {'floor':>8} {'before':>8} {'%':>5} {'after':>8} {'%':>5}")
-    for gamma in (7, 16):
-        for R in (1, 32, 256):
-            f, b, a = markov(R, gamma)
-            rows.append(dict(op="markov_sample", R=R, gamma=gamma, floor_us=f * 1e6, before_us=b * 1e6, after_us=a * 1e6))
-            print(f"{R:>4} {gamma:>5} {f * 1e6:8.1f} {b * 1e6:8.1f} {100 * f / b:5.0f} {a * 1e6:8.1f} {100 * f / a:5.0f}")
-    print("verify_attention (Qwen3-8B heads, bf16, 8 queries a request): us per layer, model")
-    print(f"{'R':>4} {'ctx':>6} {'floor':>8} {'before':>8} {'%':>5} {'after':>8} {'%':>5}")
-    for R, ctx in [(1, 4096), (5, 4096), (8, 4096), (13, 4096), (32, 4096), (128, 4096), (256, 4096),
-                   (32, 1024), (1, 32768), (8, 32768), (32, 32768)]:
-        f, b, a = attention(R, ctx)
-        rows.append(dict(op="verify_attention", R=R, ctx=ctx, floor_us=f * 1e6, before_us=b * 1e6, after_us=a * 1e6))
-        print(f"{R:>4} {ctx:>6} {f * 1e6:8.1f} {b * 1e6:8.1f} {100 * f / b:5.0f} {a * 1e6:8.1f} {100 * f / a:5.0f}")
+    table = rows()
+    units = {"markov_sample": "us a call (bf16 head, V 151936, r 256)",
+             "rejection_sample": f"us a call (float32 target, V 151936, {ACCEPTED} of 7 accepted)",
+             "verify_attention": "us a layer (Qwen3-8B heads, 8 queries a request; after = today "
+                                 "until ATTENTION_AFTER is filled in)"}
+    op = None
+    for r in table:
+        if r["op"] != op:
+            op = r["op"]
+            print(f"{op}: {units[op]}, model")
+            print(f"{'shape':>16} {'floor':>8} {'before':>8} {'%':>5} {'after':>8} {'%':>5}")
+        f, b, a = r["floor_us"], r["before_us"], r["after_us"]
+        print(f"{r['shape']:>16} {f:8.1f} {b:8.1f} {100 * f / b:5.0f} {a:8.1f} {100 * f / a:5.0f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump(table, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,32 @@
 // (3r x (2r + d)) matvec per step and request, and the ops door (dspark_rt/ops/__init__.py,
 // _markov_backend) routes rnn on CUDA tensors to the reference.
 // The selector head (top-k candidates, no vocabulary-wide W2 sweep) lives in markov_select.cu.
+//
+// Epilogue cost. Per 128-entry item a warp spends ~190 instructions at T > 0 (Philox and float
+// Gumbels where the pre-filter lets them through, the z arithmetic, one exp per entry): the
+// argmax and log-sum-exp state stays in each lane, in registers within a tile and in shared
+// memory between tiles, and is reduced once per request and block at the end of the sweep (it
+// was reduced through warp shuffles of doubles for every item, ~1,000-1,500 instructions).
+// U is prefetched into L2 while the bias tile computes, read and z written with evict-first
+// hints, so that W2 keeps its L2 lines for the other request groups.
+//
+// NOTE: a one-pass Hopper design (not implemented; bench/paper_model.py prices today's).
+//   * Persistent sweep: one CTA an SM owns a contiguous vocabulary range for all gamma steps; a
+//     producer warp feeds W2 tiles (64 rows x r) by TMA into a 4-stage shared-memory ring
+//     (mbarrier), two consumer warpgroups run wgmma m64nNk16 with N = the group's requests
+//     (A = the W2 tile, B = e_eff^T in shared memory), stage the accumulators (stmatrix) and run
+//     this file's per-lane epilogue on them; U arrives by TMA too (evict-first), z leaves by
+//     TMA stores.
+//   * Per step, instead of two launches: each CTA writes its partials and takes a ticket per
+//     request group; the last one merges the partials, writes x_k, e_eff (and the gate) and
+//     releases a flag the others spin on (acquire loads): ~3 L2 round trips plus the W1 row,
+//     ~1.5 us, against ~3.8 us of dependent launches, ramps and the step kernel today.
+//   * Estimate (the model's constants, bf16 head, V 151936, r 256): R = 1, gamma = 7: 18.1 us of
+//     W2 + 1.5 us a step, ~144 us a call against a 128 us floor (89%; the two-launch design
+//     after this change: ~164 us, 78%). R = 256: wgmma at ~800 TFLOP/s (20 GFLOP a step: 25 us)
+//     stays under the 72 us byte floor either way; the gain is the serial tail, 7 x 2.3 us, ~98%
+//     of floor against ~94%. Worth its ~600 lines at R = 1 only, and only once a lease confirms
+//     the two-launch design's serial tail at the size modelled.
 #include "markov_sample.h"
 
 #include <algorithm>
@@ -77,6 +103,7 @@ struct SweepArgs {
   int R, G, gblocks;      // requests, group size (the last group may be smaller), blocks per group
   int gamma, V, rank, k, tv;
   int es_stride;          // row stride of e in shared memory (elements)
+  int wpr;                // epilogue warps per request (slots per request)
   int off_bias, off_slot_m, off_slot_idx, off_es;  // shared-memory layout (bytes)
   bool has_bias;
   bool vec;               // logits rows allow 4-element vector access
@@ -188,6 +215,42 @@ __device__ __forceinline__ void PrefetchTile(const SweepArgs& a, int tile, int64
   }
 }
 
+// The head of every U row of a tile into L2 (a hint; the clamp keeps each address inside its row).
+template <class U>
+__device__ __forceinline__ void PrefetchU(const U* ulogits, int G, int gamma, int k, int V, int v0, int tv) {
+  const int64_t bytes = static_cast<int64_t>(min(tv, V - v0)) * sizeof(U);
+  const int lines = static_cast<int>((bytes + 127) / 128) + 1;  // + 1: rows need not start on a line
+  for (int i = threadIdx.x; i < G * lines; i += kThreads) {
+    const int rq = i / lines, l = i - rq * lines;
+    const char* p = reinterpret_cast<const char*>(ulogits + (static_cast<int64_t>(rq) * gamma + k) * V + v0);
+    const int64_t off = l * 128ll < bytes ? l * 128ll : bytes - 1;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(p + off)));
+  }
+}
+
+// Four U entries (16 or 8 bytes, vector-aligned) as floats, evict-first and coherent (in place,
+// the sweep writes z over them).
+__device__ __forceinline__ float4 LoadU4(const float* p, uint64_t pol) {
+  const uint4 u = LdStream16Coherent(p, pol);
+  return make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
+}
+template <class H>
+__device__ __forceinline__ float4 LoadU4(const H* p, uint64_t pol) {
+  const uint2 u = LdStream8Coherent(p, pol);
+  return make_float4(ToFloat(Bits16<H>(u.x)), ToFloat(Bits16<H>(u.x >> 16)), ToFloat(Bits16<H>(u.y)),
+                     ToFloat(Bits16<H>(u.y >> 16)));
+}
+// Four z entries, streaming (evict-first; the acceptance reads z once, a round later).
+__device__ __forceinline__ void StoreZ4(float* p, float4 v, uint64_t pol) {
+  StStream16(p, make_uint4(__float_as_uint(v.x), __float_as_uint(v.y), __float_as_uint(v.z), __float_as_uint(v.w)), pol);
+}
+template <class H>
+__device__ __forceinline__ void StoreZ4(H* p, float4 v, uint64_t pol) {
+  const uint32_t lo = Pack16(FromFloat<H>(v.x)) | (Pack16(FromFloat<H>(v.y)) << 16);
+  const uint32_t hi = Pack16(FromFloat<H>(v.z)) | (Pack16(FromFloat<H>(v.w)) << 16);
+  StStream8(p, make_uint2(lo, hi), pol);
+}
+
 // ---- the sweep --------------------------------------------------------------------------------
 template <class T, class W, bool kMma, class U>
 __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
@@ -203,18 +266,22 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   const bool write_z = a.has_bias || a.u != a.logits;  // no head in place: z is U already
   const float* const temperature = a.temperature + r0;
   const int gpad = (G + 7) & ~7, bs = a.tv + 4;
-  // Per-warp running partials of every request: a warp only touches its own slots.
-  double* slot_best = reinterpret_cast<double*>(smem);       // [kWarps][G]
-  double* slot_s = slot_best + kWarps * G;                   // [kWarps][G]
+  // Per-lane running statistics of every slot (request, sub) between tiles: [G * wpr][32]; a
+  // lane only touches its own entries, so they need no barrier. NOTE: the sum is kept in float
+  // here (one rounding per tile a lane carries it over, ~6e-8 relative each) and in double in
+  // registers: 20 bytes a lane, so that a 64-request group still fits two blocks an SM.
+  const int nlane = a.G * a.wpr * 32;
+  double* lane_best = reinterpret_cast<double*>(smem);
   float* bias = reinterpret_cast<float*>(smem + a.off_bias);  // [gpad][tv + 4]
-  float* slot_m = reinterpret_cast<float*>(smem + a.off_slot_m);
-  int* slot_idx = reinterpret_cast<int*>(smem + a.off_slot_idx);
+  float* lane_m = reinterpret_cast<float*>(smem + a.off_slot_m);
+  float* lane_s = lane_m + nlane;
+  int* lane_idx = reinterpret_cast<int*>(smem + a.off_slot_idx);
 
-  for (int i = threadIdx.x; i < kWarps * G; i += kThreads) {
-    slot_best[i] = -kInfD;
-    slot_idx[i] = 0x7fffffff;
-    slot_m[i] = -kInfF;
-    slot_s[i] = 0.0;
+  for (int i = threadIdx.x; i < nlane; i += kThreads) {
+    lane_best[i] = -kInfD;
+    lane_idx[i] = 0x7fffffff;
+    lane_m[i] = -kInfF;
+    lane_s[i] = 0.f;
   }
   // While the previous step kernel finishes (dependent launch): the head of this block's first
   // W2 tile into L2.
@@ -238,8 +305,12 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
 
   const int chunks = a.tv / kItem;
   const int ntiles = (a.V + a.tv - 1) / a.tv;
+  const uint64_t pol = EvictFirstPolicy();
   for (int tile = bx; tile < ntiles; tile += a.gblocks) {
     const int v0 = tile * a.tv;
+    // This tile's U rows into L2 while the bias tile computes: the epilogue's loads then wait on
+    // L2, not HBM.
+    PrefetchU<U>(ulogits, G, a.gamma, a.k, a.V, v0, a.tv);
     if (a.has_bias) {
       if constexpr (kMma) {
         BiasTileMma<W>(a, G, reinterpret_cast<const W*>(smem + a.off_es), bias, v0);
@@ -251,132 +322,133 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
     // The next tile's W2 streams into L2 while this one's epilogue computes.
     if (a.has_bias && tile + a.gblocks < ntiles) PrefetchTile<W>(a, tile + a.gblocks, kPrefetchNext);
 
-    // Epilogue: item = (request, 128 vocabulary entries), lane = 4 consecutive entries (one
-    // Philox call covers exactly those four indices).
-    for (int item = warp; item < G * chunks; item += kWarps) {
-      const int rq = item / chunks, c = item - rq * chunks;
-      const int vb = v0 + c * kItem;
-      if (vb >= a.V) continue;  // warp-uniform
-      const int v = vb + lane * 4;
-      const int nvalid = max(0, min(4, a.V - v));
+    // Epilogue. Slot = (request, sub): a warp takes a slot's chunks sub, sub + wpr, ... of the
+    // tile (item = 128 entries, lane = 4 consecutive entries: one Philox call), with the lane's
+    // running statistics in registers; they live in shared memory between tiles, and the block
+    // reduces them once per request at the end. Per entry that leaves the z arithmetic, the exp
+    // of the log-sum-exp, and (sampled) Philox and a float Gumbel where the pre-filter lets it.
+    for (int slot = warp; slot < G * a.wpr; slot += kWarps) {
+      const int rq = slot / a.wpr, sub = slot - rq * a.wpr, ls = slot * 32 + lane;
       const int64_t ro = (static_cast<int64_t>(rq) * a.gamma + a.k) * a.V;
       T* row = logits + ro;
       const U* urow = ulogits + ro;
-      float4 x = make_float4(-kInfF, -kInfF, -kInfF, -kInfF);
-      if (nvalid == 4 && a.vec) {
-        // a coherent load: in place, this kernel writes the row back below (z = U + bias), and a
-        // read-only (.nc) load of memory the same kernel writes is only safe by accident
-        x = Load4Coherent(urow + v);
-      } else {
-        if (nvalid > 0) x.x = ToFloat(urow[v]);
-        if (nvalid > 1) x.y = ToFloat(urow[v + 1]);
-        if (nvalid > 2) x.z = ToFloat(urow[v + 2]);
-        if (nvalid > 3) x.w = ToFloat(urow[v + 3]);
-      }
-      if (a.has_bias) {
-        // z = U + bias with the reference's roundings: bias rounded to T, then the sum.
-        const float4 b = *reinterpret_cast<const float4*>(bias + rq * bs + c * kItem + lane * 4);
-        x.x = RoundTo<T>(x.x + RoundTo<T>(b.x));
-        x.y = RoundTo<T>(x.y + RoundTo<T>(b.y));
-        x.z = RoundTo<T>(x.z + RoundTo<T>(b.z));
-        x.w = RoundTo<T>(x.w + RoundTo<T>(b.w));
-      }
-      if (write_z) {  // U widened from the 16-bit weight dtype is exact in T
-        if (nvalid == 4 && a.vec) {
-          Store4(row + v, x);
-        } else {
-          if (nvalid > 0) row[v] = FromFloat<T>(x.x);
-          if (nvalid > 1) row[v + 1] = FromFloat<T>(x.y);
-          if (nvalid > 2) row[v + 2] = FromFloat<T>(x.z);
-          if (nvalid > 3) row[v + 3] = FromFloat<T>(x.w);
-        }
-      }
-      if (nvalid < 4) {  // invalid entries take no part in the max, the sum or the argmax
-        if (nvalid < 1) x.x = -kInfF;
-        if (nvalid < 2) x.y = -kInfF;
-        if (nvalid < 3) x.z = -kInfF;
-        x.w = -kInfF;
-      }
       const float tf = temperature[rq];
       const bool greedy = tf == 0.f;
       const float inv_t = greedy ? 1.f : 1.f / tf;
       const double td = greedy ? 1.0 : static_cast<double>(tf);
-
-      LogSumExp lse;
-      lse.Init();
-      lse.Add4(x, inv_t);
-      ArgMax am;
-      am.Init();
-      if (greedy) {
-        const float xs[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (j < nvalid) am.Offer(static_cast<double>(xs[j]), v + j);
+      const int rg = r0 + rq;  // the request's index in the batch
+      const NoiseSite site = SiteOf(
+          PhiloxKey{a.seed[rg], static_cast<uint32_t>(a.stream[rg]), static_cast<uint32_t>(a.round[rg])},
+          a.coupled && a.coupled[rg], kPurposeDraft, a.k + 1);
+      ArgMax am{lane_best[ls], lane_idx[ls]};
+      LogSumExp lse{lane_m[ls], lane_s[ls]};
+      // the warp's best score so far (sampled): a float that never lies below an exact score
+      // by more than ScoreMargin; -inf until this block has seen the request
+      float best_f = WarpMax(static_cast<float>(am.best));
+      float gbest = static_cast<float>(am.best);  // greedy: am in float (exact: scores are floats)
+      int gidx = am.idx;
+      for (int c = sub; c < chunks; c += a.wpr) {
+        const int vb = v0 + c * kItem;
+        if (vb >= a.V) break;  // warp-uniform
+        const int v = vb + lane * 4;
+        const int nvalid = max(0, min(4, a.V - v));
+        float4 x = make_float4(-kInfF, -kInfF, -kInfF, -kInfF);
+        if (nvalid == 4 && a.vec) {
+          // a coherent load: in place, this kernel writes the row back below (z = U + bias), and a
+          // read-only (.nc) load of memory the same kernel writes is only safe by accident
+          x = LoadU4(urow + v, pol);
+        } else {
+          if (nvalid > 0) x.x = ToFloat(urow[v]);
+          if (nvalid > 1) x.y = ToFloat(urow[v + 1]);
+          if (nvalid > 2) x.z = ToFloat(urow[v + 2]);
+          if (nvalid > 3) x.w = ToFloat(urow[v + 3]);
         }
-      } else {
-        const int rg = r0 + rq;  // the request's index in the batch
-        const NoiseSite site = SiteOf(
-            PhiloxKey{a.seed[rg], static_cast<uint32_t>(a.stream[rg]), static_cast<uint32_t>(a.round[rg])},
-            a.coupled && a.coupled[rg], kPurposeDraft, a.k + 1);
-        // Seed the pre-filter with the exact score of the item's largest logit: any entry whose
-        // logit is more than ~17.5 T below it cannot win and skips Philox altogether.
-        float best_f = -kInfF;
-        const float xmax = WarpMax(fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
-        if (xmax > -kInfF && xmax < kInfF) {
-          const float xs[4] = {x.x, x.y, x.z, x.w};
-          int jm = 4;
-#pragma unroll
-          for (int j = 3; j >= 0; --j) {
-            if (xs[j] == xmax) jm = j;
+        if (a.has_bias) {
+          // z = U + bias with the reference's roundings: bias rounded to T, then the sum.
+          const float4 b = *reinterpret_cast<const float4*>(bias + rq * bs + c * kItem + lane * 4);
+          x.x = RoundTo<T>(x.x + RoundTo<T>(b.x));
+          x.y = RoundTo<T>(x.y + RoundTo<T>(b.y));
+          x.z = RoundTo<T>(x.z + RoundTo<T>(b.z));
+          x.w = RoundTo<T>(x.w + RoundTo<T>(b.w));
+        }
+        if (write_z) {  // U widened from the 16-bit weight dtype is exact in T
+          if (nvalid == 4 && a.vec) {
+            StoreZ4(row + v, x, pol);  // streaming: z is read back once, by the acceptance
+          } else {
+            if (nvalid > 0) row[v] = FromFloat<T>(x.x);
+            if (nvalid > 1) row[v + 1] = FromFloat<T>(x.y);
+            if (nvalid > 2) row[v + 2] = FromFloat<T>(x.z);
+            if (nvalid > 3) row[v + 3] = FromFloat<T>(x.w);
           }
-          const unsigned ball = __ballot_sync(0xffffffffu, jm < 4);
-          const int src = __ffs(ball) - 1;
-          double sc = 0.0;
-          if (lane == src) {
-            const uint4 w = PhiloxQuad(site.key, site.purpose, site.position, static_cast<uint32_t>(v) >> 2);
-            const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-            uint32_t word = ws[0];
+        }
+        if (nvalid < 4) {  // invalid entries take no part in the max, the sum or the argmax
+          if (nvalid < 1) x.x = -kInfF;
+          if (nvalid < 2) x.y = -kInfF;
+          if (nvalid < 3) x.z = -kInfF;
+          x.w = -kInfF;
+        }
+        lse.Add4Pairwise(x, inv_t);
+        if (greedy) {
+          OfferMax4(gbest, gidx, x, v, nvalid);
+          continue;
+        }
+        if (best_f == -kInfF) {
+          // First item of the request in this block (warp-uniform): seed the pre-filter with the
+          // exact score of the item's largest logit, so that entries more than ~17.5 T below it
+          // skip Philox from the start.
+          const float xmax = WarpMax(fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
+          if (xmax > -kInfF && xmax < kInfF) {
+            const float xs[4] = {x.x, x.y, x.z, x.w};
+            int jm = 4;
 #pragma unroll
-            for (int j = 1; j < 4; ++j) {
-              if (j == jm) word = ws[j];
+            for (int j = 3; j >= 0; --j) {
+              if (xs[j] == xmax) jm = j;
             }
-            sc = static_cast<double>(xmax) / td + GumbelExact(word);
-            am.Offer(sc, v + jm);
+            const unsigned ball = __ballot_sync(0xffffffffu, jm < 4);
+            const int src = __ffs(ball) - 1;
+            double sc = 0.0;
+            if (lane == src) {
+              const uint4 w = PhiloxQuad(site.key, site.purpose, site.position, static_cast<uint32_t>(v) >> 2);
+              const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+              uint32_t word = ws[0];
+#pragma unroll
+              for (int j = 1; j < 4; ++j) {
+                if (j == jm) word = ws[j];
+              }
+              sc = static_cast<double>(xmax) / td + GumbelExact(word);
+              am.Offer(sc, v + jm);
+            }
+            best_f = static_cast<float>(__shfl_sync(0xffffffffu, sc, src));
           }
-          sc = __shfl_sync(0xffffffffu, sc, src);
-          best_f = static_cast<float>(sc);
         }
         OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, site.key, site.purpose, site.position);
+        best_f = WarpMax(best_f);  // every lane prunes against the warp's best
       }
-      lse.WarpMerge(inv_t);
-      am.WarpMerge();
-      if (lane == 0) {
-        const int s = warp * G + rq;
-        ArgMax old{slot_best[s], slot_idx[s]};
-        old.Merge(am);
-        LogSumExp lo{slot_m[s], slot_s[s]};
-        lo.Merge(lse, inv_t);
-        slot_best[s] = old.best;
-        slot_idx[s] = old.idx;
-        slot_m[s] = lo.m;
-        slot_s[s] = lo.s;
-      }
+      if (greedy) am = ArgMax{static_cast<double>(gbest), gidx};
+      lane_best[ls] = am.best;
+      lane_idx[ls] = am.idx;
+      lane_m[ls] = lse.m;
+      lane_s[ls] = static_cast<float>(lse.s);
     }
     __syncthreads();  // the next tile overwrites the bias tile
   }
 
-  for (int rq = threadIdx.x; rq < G; rq += kThreads) {
+  // One reduction per request: its slots' lanes in a fixed order, then the warp.
+  for (int rq = warp; rq < G; rq += kWarps) {
     const float tf = temperature[rq];
     const float inv_t = tf == 0.f ? 1.f : 1.f / tf;
     ArgMax am;
     am.Init();
     LogSumExp lse;
     lse.Init();
-    for (int w = 0; w < kWarps; ++w) {
-      am.Merge(ArgMax{slot_best[w * G + rq], slot_idx[w * G + rq]});
-      lse.Merge(LogSumExp{slot_m[w * G + rq], slot_s[w * G + rq]}, inv_t);
+    for (int sub = 0; sub < a.wpr; ++sub) {
+      const int ls = (rq * a.wpr + sub) * 32 + lane;
+      am.Merge(ArgMax{lane_best[ls], lane_idx[ls]});
+      lse.Merge(LogSumExp{lane_m[ls], lane_s[ls]}, inv_t);
     }
-    a.partials[static_cast<int64_t>(blockIdx.x) * a.G + rq] = Partial{am.best, am.idx, lse.m, lse.s};
+    am.WarpMerge();
+    lse.WarpMerge(inv_t);
+    if (lane == 0) a.partials[static_cast<int64_t>(blockIdx.x) * a.G + rq] = Partial{am.best, am.idx, lse.m, lse.s};
   }
 }
 
@@ -482,15 +554,28 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
     const W* gb = static_cast<const W*>(a.gate_b);
     const int ld = a.d + a.rank;
     const float* hg = a.hg + (static_cast<int64_t>(rq) * a.gamma + kn) * a.rank;
-    for (int i = warp; i < a.rank; i += kWarps) {
-      const W* wr = gw + static_cast<int64_t>(i) * ld + a.d;
-      float acc = 0.f;
-      for (int j = lane; j < a.rank; j += 32) acc = fmaf(ToFloat(wr[j]), e_s[j], acc);
-      acc = WarpSum(acc);
-      if (lane == 0) {
-        const float pre = RoundTo<T>(RoundTo<T>(acc + hg[i]) + ToFloat(gb[i]));
-        const float gate = RoundTo<T>(1.f / (1.f + expf(-pre)));
-        e_out[i] = FromFloat<W>(RoundTo<T>(gate * e_s[i]));  // g * e in T, then W
+    // NOTE: kGateRows rows a warp at once, their loads issued together: a warp walks
+    // rank / (8 kGateRows) dependent rounds to L2 instead of rank / 8 (the serial tail of a step).
+    constexpr int kGateRows = 4;
+    for (int i0 = warp; i0 < a.rank; i0 += kGateRows * kWarps) {
+      float acc[kGateRows] = {};
+#pragma unroll
+      for (int u = 0; u < kGateRows; ++u) {
+        const int i = i0 + u * kWarps;
+        if (i < a.rank) {
+          const W* wr = gw + static_cast<int64_t>(i) * ld + a.d;
+          for (int j = lane; j < a.rank; j += 32) acc[u] = fmaf(ToFloat(wr[j]), e_s[j], acc[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kGateRows; ++u) {
+        const int i = i0 + u * kWarps;
+        const float dot = WarpSum(acc[u]);
+        if (lane == 0 && i < a.rank) {
+          const float pre = RoundTo<T>(RoundTo<T>(dot + hg[i]) + ToFloat(gb[i]));
+          const float gate = RoundTo<T>(1.f / (1.f + expf(-pre)));
+          e_out[i] = FromFloat<W>(RoundTo<T>(gate * e_s[i]));  // g * e in T, then W
+        }
       }
     }
   } else if (a.head == MarkovHead::kVanilla) {
@@ -513,7 +598,7 @@ __global__ void __launch_bounds__(kThreads) MarkovStepKernel(StepArgs a) {
 
 // ---- host --------------------------------------------------------------------------------------
 struct SweepLayout {
-  int tv = 0, es_stride = 0;
+  int tv = 0, es_stride = 0, wpr = 1;
   int off_bias = 0, off_slot_m = 0, off_slot_idx = 0, off_es = 0, bytes = 0;
 };
 
@@ -532,13 +617,17 @@ SweepLayout MakeSweepLayout(int G, int tv, int rank, bool mma, int elem_bytes, b
   } else {
     l.es_stride = AlignUp(rank, 4);
   }
-  int off = 2 * kWarps * G * 8;  // slot_best, slot_s
+  // Warps per request in the epilogue: a group smaller than the block's warps spreads each
+  // request's items over several warps (slots), so no warp idles at R = 1.
+  l.wpr = G >= kWarps ? 1 : kWarps / G;
+  const int nlane = G * l.wpr * 32;
+  int off = nlane * 8;  // lane_best
   l.off_bias = off;
   off += has_bias ? gpad * (l.tv + 4) * 4 : 0;
   l.off_slot_m = off;
-  off += kWarps * G * 4;
+  off += 2 * nlane * 4;  // lane_m, lane_s
   l.off_slot_idx = off;
-  off += kWarps * G * 4;
+  off += nlane * 4;
   off = AlignUp(off, 16);
   l.off_es = off;
   off += has_bias ? gpad * l.es_stride * (mma ? elem_bytes : 4) : 0;
@@ -682,6 +771,7 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   sa.tv = gl.tv;
   sa.es_stride = gl.es_stride;
   sa.off_bias = gl.off_bias;
+  sa.wpr = gl.wpr;
   sa.off_slot_m = gl.off_slot_m;
   sa.off_slot_idx = gl.off_slot_idx;
   sa.off_es = gl.off_es;

@@ -1,16 +1,20 @@
 // rejection_sample on the GPU: lossless acceptance for the whole batch (DESIGN §2 step 6).
 // Semantics: reference.rejection_sample.
 //
-// Three stream-ordered launches, each over the whole batch:
+// Two stream-ordered launches, each over the whole batch:
 //   1. RowStatsKernel, block = (request, verified row, 8192-entry vocabulary chunk): streams the
 //      target row once and leaves a partial: the argmax (greedy rows), the log-sum-exp of x / T
 //      (rows whose P feeds an acceptance test) or a Gumbel argmax (the last row's bonus token;
-//      every row of a coupled request, whose tokens y_k are all Gumbel argmaxes).
+//      every row of a coupled request, whose tokens y_k are all Gumbel argmaxes). Rows whose
+//      start is 16-byte aligned stream in 16-byte loads, kInFlight of them issued per thread
+//      before the first is used (128 B a thread, 32 KB a block in flight); each thread keeps
+//      float statistics over its 32 entries and the block merges them once.
 //   2. DecideKernel, block = (request, chunk): every block of a request merges the row partials
 //      in the same fixed order and runs the (at most gamma) acceptance tests, so all reach the
 //      same decision; at a rejection each block then streams its chunk of the target and draft
-//      rows once more for the residual Gumbel-max, max(0, P - q) formed on the fly.
-//   3. FinishKernel, thread = request: merges the residual partials into y.
+//      rows once more for the residual Gumbel-max, max(0, P - q) formed on the fly, and the
+//      last of the request's blocks to finish (an atomic ticket) merges the chunks' residual
+//      partials into y, in chunk order.
 // Coupled requests (DESIGN §2) decide like greedy ones, x_k == y_k, on their rows' Gumbel argmaxes
 // and never sweep a residual.
 // A sampled draft row whose q is not finite (draft_lse NaN or +-inf, a draft logit NaN or +inf:
@@ -37,6 +41,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 8192;  // vocabulary entries per block: 8 quads per thread
+constexpr int kInFlight = 4;  // 16-byte loads a RowStats thread issues before it uses the first
 
 struct RowStat {
   double best;  // argmax part (greedy argmax, bonus Gumbel argmax or residual Gumbel argmax)
@@ -64,9 +69,10 @@ struct Args {
   uint8_t* failed;      // [R]
   RowStat* stats;       // [R, gamma + 1, C]
   RowStat* resid;       // [R, C]
-  int* decision;        // [R] row of the rejection, or -1
+  int* tickets;         // [R] Decide blocks of the request done with their residual chunk
   int R, gamma, V, C;
   bool vec_t, vec_d;    // target / draft rows allow 4-element vector loads
+  bool v16_t, v16_d;    // ... and 16-byte loads (every row start 16-byte aligned)
 };
 
 __device__ __forceinline__ PhiloxKey KeyOf(const Args& a, int r) {
@@ -110,10 +116,140 @@ __device__ __forceinline__ void BlockMerge(ArgMax& am, LogSumExp& lse, float inv
 }
 
 // ---- 1: per-row partials ---------------------------------------------------------------------
+// Elements of T in one 16-byte load, widened to float (exactly).
+template <class T> struct Vec16 { static constexpr int kElems = 16 / sizeof(T); };
+
+__device__ __forceinline__ void Unpack16(uint4 u, const float*, float out[4]) {
+  out[0] = __uint_as_float(u.x);
+  out[1] = __uint_as_float(u.y);
+  out[2] = __uint_as_float(u.z);
+  out[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ float2 Widen2(uint32_t w, const __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 Widen2(uint32_t w, const __nv_bfloat16*) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+template <class H>
+__device__ __forceinline__ void Unpack16(uint4 u, const H* tag, float out[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = Widen2(w[i], tag);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// One thread's running statistics of a row over the entries it streams, in float: a greedy
+// row's argmax (float compares are exact: the reference's double scores are the floats widened),
+// a test row's log-sum-exp (m, s), a Gumbel row's argmax (exact double scores, float pre-filter),
+// and whether a NaN or +inf went by. The block merges them once, in double (BlockMerge).
+struct RowLane {
+  float gmax = -kInfF;   // greedy: best value (NaN counts as -inf, as reference._first_argmax)
+  int gidx = 0x7fffffff;
+  float m = -kInfF, s = 0.f;  // log-sum-exp of x / T: max and sum of exp((x - m) / T)
+  ArgMax am;             // Gumbel rows
+  float best_f = -kInfF;
+  bool bad = false;
+
+  // Four consecutive entries v .. v + 3 (invalid ones -inf and beyond nvalid).
+  __device__ __forceinline__ void Add(int kind, float4 x, int v, int nvalid, float inv_t, double td,
+                                      const NoiseSite& site) {
+    bad |= !(x.x < kInfF) | !(x.y < kInfF) | !(x.z < kInfF) | !(x.w < kInfF);
+    if (kind == 0) {
+      OfferMax4(gmax, gidx, x, v, nvalid);
+    } else if (kind == 1) {
+      OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, site.key, site.purpose, site.position);
+    } else {
+      AddLse(x, inv_t);
+    }
+  }
+  // LogSumExp::Add4 with a float sum (a thread adds at most 32 terms <= 1 per chunk).
+  __device__ __forceinline__ void AddLse(float4 x, float inv_t) {
+    const float mx = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+    if (mx > m) {
+      s *= __expf((m - mx) * inv_t);
+      m = mx;
+    }
+    if (m == -kInfF || m == kInfF) {
+      if (m == kInfF && s == s) s = 1.f;
+      if (x.x != x.x || x.y != x.y || x.z != x.z || x.w != x.w) s = kNaNF;
+      return;
+    }
+    s += (__expf((x.x - m) * inv_t) + __expf((x.y - m) * inv_t)) +
+         (__expf((x.z - m) * inv_t) + __expf((x.w - m) * inv_t));
+  }
+  // The block-merge states of this thread.
+  __device__ __forceinline__ void Export(int kind, ArgMax& out_am, LogSumExp& out_lse) const {
+    out_am = am;
+    if (kind == 0 && gidx != 0x7fffffff) out_am = ArgMax{static_cast<double>(gmax), gidx};
+    out_lse = LogSumExp{m, static_cast<double>(s)};
+  }
+};
+
+// What StreamRow feeds: a target row into a thread's statistics, or a draft row into its
+// NaN / +inf flag. (Functors, not lambdas: their calls are forced inline, no ABI call.)
+struct TargetSink {
+  RowLane* acc;
+  int kind;
+  float inv_t;
+  double td;
+  NoiseSite site;
+  __device__ __forceinline__ void operator()(float4 x, int v, int nvalid) const {
+    acc->Add(kind, x, v, nvalid, inv_t, td, site);
+  }
+};
+struct DraftSink {
+  bool* bad;
+  __device__ __forceinline__ void operator()(float4 z, int, int) const {
+    *bad |= !(z.x < kInfF) | !(z.y < kInfF) | !(z.z < kInfF) | !(z.w < kInfF);
+  }
+};
+
+// Streams entries [v_begin, v_end) of `row` into `fn`: 16-byte loads (kInFlight per thread in
+// flight) over the whole vectors when `v16` (the row start is 16-byte aligned; v_begin is a
+// multiple of the vector width), 4-element or scalar loads for the tail.
+template <class T, class Fn>
+__device__ __forceinline__ void StreamRow(const T* row, int v_begin, int v_end, bool v16, bool vec4, const Fn& fn) {
+  constexpr int E = Vec16<T>::kElems;
+  int v_tail = v_begin;
+  if (v16) {
+    const uint64_t pol = EvictFirstPolicy();
+    v_tail = v_begin + (v_end - v_begin) / E * E;
+    for (int base = v_begin + threadIdx.x * E; base < v_tail; base += kThreads * E * kInFlight) {
+      uint4 u[kInFlight];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        const int v = base + i * kThreads * E;
+        u[i] = v < v_tail ? LdStream16(row + v, pol) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        const int v = base + i * kThreads * E;
+        if (v < v_tail) {
+          float f[E];
+          Unpack16(u[i], row, f);
+#pragma unroll
+          for (int q = 0; q < E / 4; ++q) fn(make_float4(f[4 * q], f[4 * q + 1], f[4 * q + 2], f[4 * q + 3]), v + 4 * q, 4);
+        }
+      }
+    }
+  }
+  // NOTE: v_tail - v_begin is a multiple of 4, so the tail's quads stay Philox quads.
+  for (int v = v_tail + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
+    const int nvalid = min(4, v_end - v);
+    fn(LoadQuad(row, v, nvalid, vec4), v, nvalid);
+  }
+}
+
 template <class T, class D>
 __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
   const int ra = blockIdx.x, c = blockIdx.y;
   const int r = ra / (a.gamma + 1), row_k = ra - r * (a.gamma + 1);
+  // DecideKernel's residual tickets start at 0 (stream order: it runs after this launch).
+  if (row_k == 0 && c == 0 && threadIdx.x == 0) a.tickets[r] = 0;
   const int lo = a.cu_rows[r], ell = a.cu_rows[r + 1] - lo - 1;
   if (ell < 0 || ell > a.gamma || row_k > ell) return;
   const float tf = a.temperature[r];
@@ -121,46 +257,28 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
   const bool coupled = CoupledOf(a, r);
   // bonus row, or any coupled row: y = argmax(row / T + gumbel(site))
   const bool gumbel_row = !greedy && (coupled || row_k == ell);
+  const int kind = greedy ? 0 : gumbel_row ? 1 : 2;
   const NoiseSite site = coupled ? SiteOf(KeyOf(a, r), true, 0, row_k + 1)
                                  : SiteOf(KeyOf(a, r), false, kPurposeEmit, ell + 1);
   const float inv_t = greedy ? 1.f : 1.f / tf;
   const double td = greedy ? 1.0 : static_cast<double>(tf);
   const T* row = static_cast<const T*>(a.target) + static_cast<int64_t>(lo + row_k) * a.V;
-  const int v_end = min(a.V, (c + 1) * kChunk);
+  const int v_begin = c * kChunk, v_end = min(a.V, (c + 1) * kChunk);
+
+  RowLane acc;
+  acc.am.Init();
+  StreamRow(row, v_begin, v_end, a.v16_t, a.vec_t, TargetSink{&acc, kind, inv_t, td, site});
   // NOTE: an acceptance test's draft row is streamed too, for NaN / +inf only (a drafter's
   // overflow must reject, not emit): 4 more bytes per entry of the rows that run a test.
-  const bool test_row = !greedy && !gumbel_row;
-  const D* drow = test_row ? static_cast<const D*>(a.draft_logits) +
-                                 (static_cast<int64_t>(r) * a.gamma + row_k) * a.V
-                           : nullptr;
-
-  ArgMax am;
-  am.Init();
-  LogSumExp lse;
-  lse.Init();
-  float best_f = -kInfF;
-  bool bad = false, dbad = false;  // NaN or +inf seen (LoadQuad pads with -inf, which is neither)
-  for (int v = c * kChunk + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
-    const int nvalid = min(4, v_end - v);
-    const float4 x = LoadQuad(row, v, nvalid, a.vec_t);
-    bad |= !(x.x < kInfF) | !(x.y < kInfF) | !(x.z < kInfF) | !(x.w < kInfF);
-    if (test_row) {
-      const float4 z = LoadQuad(drow, v, nvalid, a.vec_d);
-      dbad |= !(z.x < kInfF) | !(z.y < kInfF) | !(z.z < kInfF) | !(z.w < kInfF);
-    }
-    if (greedy) {
-      const float xs[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j < nvalid) am.Offer(static_cast<double>(xs[j]), v + j);
-      }
-    } else if (gumbel_row) {
-      OfferGumbel4(am, best_f, x, v, nvalid, inv_t, td, site.key, site.purpose, site.position);
-    } else {
-      lse.Add4(x, inv_t);
-    }
+  bool dbad = false;
+  if (kind == 2) {
+    const D* drow = static_cast<const D*>(a.draft_logits) + (static_cast<int64_t>(r) * a.gamma + row_k) * a.V;
+    StreamRow(drow, v_begin, v_end, a.v16_d, a.vec_d, DraftSink{&dbad});
   }
-  const int any_bad = (__syncthreads_or(bad) ? kTargetBad : 0) | (__syncthreads_or(dbad) ? kDraftBad : 0);
+  const int any_bad = (__syncthreads_or(acc.bad) ? kTargetBad : 0) | (__syncthreads_or(dbad) ? kDraftBad : 0);
+  ArgMax am;
+  LogSumExp lse;
+  acc.Export(kind, am, lse);
   BlockMerge(am, lse, inv_t);
   if (threadIdx.x == 0) a.stats[static_cast<int64_t>(ra) * a.C + c] = RowStat{am.best, am.idx, lse.m, lse.s, any_bad};
 }
@@ -209,7 +327,6 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
       for (int j = threadIdx.x; j < G1; j += kThreads) a.out_tokens[static_cast<int64_t>(r) * G1 + j] = -1;
       if (threadIdx.x == 0) {
         a.num_accepted[r] = 0;
-        a.decision[r] = -1;
         a.failed[r] = 1;
       }
     }
@@ -281,7 +398,6 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
     }
     if (threadIdx.x == 0) {
       a.num_accepted[r] = acc;
-      a.decision[r] = rejected ? acc : -1;
       unsigned char failed = 0;
       for (int k = 0; k <= ell; ++k) failed |= bad_s[k];
       a.failed[r] = failed;
@@ -353,20 +469,24 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   LogSumExp unused;
   unused.Init();
   BlockMerge(am, unused, 1.f);
-  if (threadIdx.x == 0) a.resid[static_cast<int64_t>(r) * a.C + c] = RowStat{am.best, am.idx, -kInfF, 0.0, 0};
-}
-
-// ---- 3: the residual token ---------------------------------------------------------------------
-// Warp = request: lanes merge the chunk partials in a fixed tree order.
-__global__ void __launch_bounds__(kThreads) FinishKernel(Args a) {
-  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (r >= a.R) return;
-  const int k = a.decision[r];
-  if (k < 0) return;  // warp-uniform
-  ArgMax am;
-  LogSumExp unused;
-  WarpMergeRow(a.resid + static_cast<int64_t>(r) * a.C, a.C, 1.f, am, unused);
-  if ((threadIdx.x & 31) == 0) a.out_tokens[static_cast<int64_t>(r) * (a.gamma + 1) + k] = am.idx < a.V ? am.idx : 0;
+  // The last of the request's C blocks to get here merges every chunk's partial into y.
+  // NOTE: the fence orders this block's partial before its ticket; the merging block reads the
+  // partials through L2 (ld.cg), never a stale L1 line.
+  __shared__ bool last_s;
+  if (threadIdx.x == 0) {
+    a.resid[static_cast<int64_t>(r) * a.C + c] = RowStat{am.best, am.idx, -kInfF, 0.0, 0};
+    __threadfence();
+    last_s = atomicAdd(&a.tickets[r], 1) == a.C - 1;
+  }
+  __syncthreads();
+  if (!last_s || warp != 0) return;
+  __threadfence();
+  ArgMax y;
+  y.Init();
+  const RowStat* rs = a.resid + static_cast<int64_t>(r) * a.C;
+  for (int cc = lane; cc < a.C; cc += 32) y.Merge(ArgMax{__ldcg(&rs[cc].best), __ldcg(&rs[cc].idx)});
+  y.WarpMerge();
+  if (lane == 0) a.out_tokens[static_cast<int64_t>(r) * G1 + acc] = y.idx < a.V ? y.idx : 0;
 }
 
 // T: the target logits' element type, D: the draft logits' (T, or float under 16-bit T).
@@ -392,16 +512,17 @@ Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
   a.C = static_cast<int>(CeilDiv(p.V, kChunk));
   a.vec_t = p.V % 4 == 0 && Aligned(p.target_logits, 4 * sizeof(T));
   a.vec_d = p.V % 4 == 0 && (p.gamma == 0 || Aligned(p.draft_logits, 4 * sizeof(D)));
+  // 16-byte loads: every row start (base + k V elements) on a 16-byte boundary
+  a.v16_t = p.V * sizeof(T) % 16 == 0 && Aligned(p.target_logits, 16);
+  a.v16_d = p.V * sizeof(D) % 16 == 0 && (p.gamma == 0 || Aligned(p.draft_logits, 16));
   Scratch scratch(stream);
   Status st;
   if ((st = scratch.Get(static_cast<size_t>(a.R) * (a.gamma + 1) * a.C, &a.stats)) != Status::kOk) return st;
   if ((st = scratch.Get(static_cast<size_t>(a.R) * a.C, &a.resid)) != Status::kOk) return st;
-  if ((st = scratch.Get(static_cast<size_t>(a.R), &a.decision)) != Status::kOk) return st;
+  if ((st = scratch.Get(static_cast<size_t>(a.R), &a.tickets)) != Status::kOk) return st;
   RowStatsKernel<T, D><<<dim3(a.R * (a.gamma + 1), a.C), kThreads, 0, stream>>>(a);
   if ((st = LaunchStatus()) != Status::kOk) return st;
   DecideKernel<T, D><<<dim3(a.R, a.C), kThreads, 0, stream>>>(a);
-  if ((st = LaunchStatus()) != Status::kOk) return st;
-  FinishKernel<<<static_cast<unsigned>(CeilDiv(a.R, kWarps)), kThreads, 0, stream>>>(a);
   return LaunchStatus();
 }
 

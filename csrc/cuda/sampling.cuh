@@ -14,6 +14,57 @@
 
 namespace dspark::cuda {
 
+// ---- streaming memory access -------------------------------------------------------------------
+// Logits are touched once per sweep; an L2 policy marks their lines evict-first so that the
+// weights the sweeps share (markov's W2, several MB read by every request group and every step)
+// stay resident in L2 instead of being displaced by 4-6 bytes of logits per vocabulary entry
+// and request. NOTE: the L2::evict_first eviction-priority qualifier of ld needs .v8 operands
+// on current ptxas, so the hint goes through a createpolicy cache hint (sm_80+).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+// 16 / 8 bytes of a read-only input (no kernel of this launch writes it), not kept in L1.
+__device__ __forceinline__ uint4 LdStream16(const void* p, uint64_t pol) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+  return v;
+}
+// Coherent forms: for a row this launch writes back (markov's in-place z = U + bias).
+__device__ __forceinline__ uint4 LdStream16Coherent(const void* p, uint64_t pol) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint2 LdStream8Coherent(const void* p, uint64_t pol) {
+  uint2 v;
+  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;"
+               : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(pol) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StStream16(void* p, uint4 v, uint64_t pol) {
+  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1,%2,%3,%4}, %5;"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void StStream8(void* p, uint2 v, uint64_t pol) {
+  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v2.u32 [%0], {%1,%2}, %3;"
+               :: "l"(p), "r"(v.x), "r"(v.y), "l"(pol) : "memory");
+}
+
+// 16-bit floats from / to the low half of a word.
+template <class H> __device__ __forceinline__ H Bits16(uint32_t w);
+template <> __device__ __forceinline__ __half Bits16<__half>(uint32_t w) {
+  return __ushort_as_half(static_cast<unsigned short>(w));
+}
+template <> __device__ __forceinline__ __nv_bfloat16 Bits16<__nv_bfloat16>(uint32_t w) {
+  return __ushort_as_bfloat16(static_cast<unsigned short>(w));
+}
+__device__ __forceinline__ uint32_t Pack16(__half h) { return __half_as_ushort(h); }
+__device__ __forceinline__ uint32_t Pack16(__nv_bfloat16 h) { return __bfloat16_as_ushort(h); }
+
 // Largest Gumbel value a 24-bit uniform can produce: -log(-log(1 - 2^-25)) = 17.33.
 constexpr float kGumbelMax = 17.5f;
 
@@ -109,6 +160,22 @@ struct LogSumExp {
     s += static_cast<double>(__expf((x.x - m) * inv_t)) + static_cast<double>(__expf((x.y - m) * inv_t)) +
          static_cast<double>(__expf((x.z - m) * inv_t)) + static_cast<double>(__expf((x.w - m) * inv_t));
   }
+  // Add4 with the four exps summed in float first (one widening and one double add per quad;
+  // two float roundings, ~1e-7 relative, below the exps' own error).
+  __device__ __forceinline__ void Add4Pairwise(float4 x, float inv_t) {
+    const float mx = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+    if (mx > m) {
+      s *= static_cast<double>(__expf((m - mx) * inv_t));
+      m = mx;
+    }
+    if (m == -kInfF || m == kInfF) {
+      if (m == kInfF && s == s) s = 1.0;
+      if (x.x != x.x || x.y != x.y || x.z != x.z || x.w != x.w) s = __int_as_float(0x7fc00000);
+      return;
+    }
+    s += static_cast<double>((__expf((x.x - m) * inv_t) + __expf((x.y - m) * inv_t)) +
+                             (__expf((x.z - m) * inv_t) + __expf((x.w - m) * inv_t)));
+  }
   __device__ __forceinline__ void Merge(const LogSumExp& o, float inv_t) {
     if (m == kInfF || o.m == kInfF) {  // +inf wins unless either side holds a NaN
       s = (s != s || o.s != o.s) ? s + o.s : 1.0;
@@ -138,6 +205,20 @@ struct LogSumExp {
     return static_cast<double>(m) / t + log(s);
   }
 };
+
+// The greedy argmax over four consecutive entries v .. v + 3: exact float compares (a greedy
+// score is the float logit widened), NaN as -inf, ties to the lower index, as ArgMax::Offer.
+__device__ __forceinline__ void OfferMax4(float& best, int& idx, float4 x, int v, int nvalid) {
+  const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float xv = xs[j] == xs[j] ? xs[j] : -kInfF;
+    if (j < nvalid && (xv > best || (xv == best && v + j < idx))) {
+      best = xv;
+      idx = v + j;
+    }
+  }
+}
 
 // The sampled-score argmax over four consecutive vocabulary entries 4q .. 4q + 3:
 // score = double(x) / double(T) + gumbel(word), with the float pre-filter described above.

@@ -224,6 +224,50 @@ def test_markov_sample_dependent_launches_change_nothing(case, monkeypatch):
         assert torch.equal(a, b), oc.where(case)
 
 
+def _misaligned(t):
+    """t's values in a fresh buffer whose data starts one element past an allocation boundary
+    (allocations are 256-byte aligned): no row start is 16-byte aligned for 16-bit types, nor
+    for float32, so the kernels take their 4-element / scalar loads."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("case", [
+    # R = 1: the head projection's one tile split over a whole block (d = 4096: 4 slabs a
+    # warp), the confidence row alone and with the gate's 256 rows; the epilogue's 8 warps on
+    # one request's chunks
+    MC(1, 7, 151936, "vanilla", rank=256, d=4096, conf="markov", temps="sampled"),
+    MC(1, 7, 32768, "gated", rank=256, d=4096, conf="plain", temps="greedy"),
+    MC(1, 4, 5003, "gated", rank=64, d=4099, conf="markov", temps="sampled"),  # d % 4: scalar
+    # 2 and 3 requests: two, one slot a request (8 // 3 = 2 warps each, two idle)
+    MC(2, 3, 32768, "vanilla", rank=256, d=256, conf="markov", temps="mixed"),
+    MC(3, 3, 4100, "gated", rank=64, d=64, conf="markov", temps="mixed", coupled="mixed"),
+], ids=str)
+def test_markov_sample_small_batches(case):
+    """Small batches: the served 16-bit weights under float32 logits against the reference."""
+    kw = {k: v.to(BF16) if k in WEIGHT_KEYS and v is not None else v
+          for k, v in _markov_inputs(case, F32).items()}
+    _check_markov(case, F32, kw, _markov(kw, "reference"), _markov(kw, "cuda"), oc.where(case))
+
+
+@pytest.mark.parametrize("case", [MC(3, 3, 4100, "vanilla", rank=64, d=32, conf="markov", temps="mixed"),
+                                  MC(2, 2, 5003, "gated", rank=32, d=24, temps="sampled")], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_markov_sample_misaligned_logits(case, dtype):
+    """Logits one element into their buffer (and V not a multiple of the vector width): the
+    scalar paths give every output bit for bit as the aligned run."""
+    kw = _markov_inputs(case, dtype)
+    want = _markov(kw, "cuda")
+    run = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    z = _misaligned(run.pop("logits"))  # not through _markov, whose clone would align it again
+    assert z.data_ptr() % 16 != 0
+    got = (z, *ops.markov_sample(z, run.pop("hidden"), run.pop("anchor"), run.pop("head"), backend="cuda", **run))
+    for a, b in zip(want, got):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), oc.where(case)
+
+
 def test_markov_rnn_kernel_refuses():
     """An explicit backend="cuda" reaches the kernel, which has no rnn path and says so."""
     kw = _markov_inputs(oc.MarkovCase(2, 3, 100, "rnn", rank=8, d=16), F32)
@@ -275,6 +319,25 @@ def test_rejection_sample(case, dtype):
         if dtype == F32 and _has_cpp():
             cacc, cout, _ = _rejection(_cpu(kw), "cpp")
             assert torch.equal(cacc, acc.cpu()) and torch.equal(cout, out.cpu()), where
+
+
+@pytest.mark.parametrize("case", [RC(5, 4, 8200, "random", "mixed"),  # a chunk tail not a multiple of 8
+                                  RC(3, 5, 151936, "full", "sampled", coupled="mixed"),
+                                  RC(4, 3, 20003, "random", "greedy"),
+                                  RC(6, 6, 16384, "random", "mixed", "random")], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_rejection_misaligned_rows(case, dtype):
+    """Target or draft rows whose starts are not 16-byte aligned (one element into their
+    buffer) take the narrow loads; V = 20003 has no 16-byte rows at all.
+    Tokens and failed flags equal the aligned run's and the reference's."""
+    kw = oc.rejection_inputs(case, DEV, dtype, key=3)
+    want, ref = _rejection(kw, "cuda"), _rejection(kw, "reference")
+    for a, b in zip(want, ref):
+        assert torch.equal(a.cpu(), b.cpu()), oc.where(case, 3)
+    for name in ("target_logits", "draft_logits"):
+        got = _rejection({**kw, name: _misaligned(kw[name])}, "cuda")
+        for a, b in zip(want, got):
+            assert torch.equal(a.cpu(), b.cpu()), (name, oc.where(case, 3))
 
 
 @pytest.mark.parametrize("case, dtype", [(c, torch.bfloat16) for c in REJECTION_CASES] +

@@ -178,6 +178,6 @@ def test_paper_model_runs_and_no_change_models_slower(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT.parent / "paper_model.py"), "--json", str(out)], check=True,
                    capture_output=True)
     rows = json.loads(out.read_text())
-    assert {r["op"] for r in rows} == {"markov_sample", "verify_attention"}
+    assert {r["op"] for r in rows} == {"markov_sample", "rejection_sample", "verify_attention"}
     for r in rows:
         assert r["floor_us"] <= r["after_us"] <= r["before_us"] + 1e-9, r
