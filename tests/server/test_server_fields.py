@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from dspark_rt.tools.serve import build_state  # noqa: E402
-from tests.test_server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
+from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
 
 # a Qwen3-style switch: with enable_thinking false the template closes an empty think block
 THINKING_TEMPLATE = (

@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 import dspark_rt  # noqa: E402
 from dspark_rt.policies import POLICIES  # noqa: E402
 from dspark_rt.tools import serve  # noqa: E402
-from tests.test_server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
+from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from dspark_rt.outputs import SpecMetrics
 from dspark_rt.tools import serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_resolves_to_the_package_folders():

@@ -16,9 +16,9 @@ pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from dspark_rt.tools.serve import build_state  # noqa: E402
-from tests.test_server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
+from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "dspark_rt.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "dspark_rt.json"
 
 VLLM_NAMES = [  # vllm/v1/metrics/loggers.py and spec_decode/metrics.py, prefix dspark_rt:
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
