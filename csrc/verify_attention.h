@@ -23,15 +23,19 @@ struct VerifyAttentionParams {
   void* out = nullptr;                 // [N, h_q, head_dim]
 
   // Plan (FlashInfer's plan/run): the CUDA tensor-core path's work partition and split-KV
-  // partials, made once per forward by VerifyAttentionPlanCuda from cu_q / kv_lens and reused
-  // by every layer. Null work: the launcher plans into its own scratch on every call.
-  int32_t* work = nullptr;    // [4 (R + 1)]: item_off | split | slot_off | merge_off
-  float* part_o = nullptr;    // [plan_slots, 64, head_dim] split partials O / l
+  // partials, made once per forward by VerifyAttentionPlanCuda from cu_q / kv_lens / block
+  // tables and reused by every layer. Null work: the launcher plans into its own scratch on
+  // every call.
+  int32_t* work = nullptr;    // [4 (R + 1)]: item_off | split | slot_off | bad (1: NaN rows)
+  float* part_o = nullptr;    // [plan_slots, 64, head_dim] split partials O / l; the slot(s)
+                              // past the split slots hold the merge tickets (int32, zeroed by
+                              // the plan, left zero by every call: graph replays reuse them)
   float* part_lse = nullptr;  // [plan_slots, 64] their log2-sum-exp
   int64_t plan_slots = 0;     // VerifyAttentionPlanSlots(p); 0: the path takes no plan
-  // CUDA tensor-core path: true never splits the KV range, so a request's result does not
-  // depend on the rest of the batch; false sizes splits to fill the GPU for this batch (a
-  // request's 16-bit output may then move by an ulp when other requests join).
+  // CUDA tensor-core path: true never splits the KV range and gives every 16 query rows a warp
+  // of their own, so a row's result depends on neither its chain nor the rest of the batch;
+  // false sizes splits for this batch and shares a short tile's keys between warps (a request's
+  // 16-bit output may then move by an ulp when other requests join or its chain grows).
   bool batch_invariant = false;
 };
 

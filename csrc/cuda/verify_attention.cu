@@ -1,22 +1,26 @@
 // verify_attention on the GPU: tree-free ragged attention over the paged KV cache (DESIGN §5).
 // Semantics: reference.verify_attention.
 //
-// Tensor-core path (float16 / bfloat16, head_dim 64 or 128), three launches:
-//   1. AttnPlanKernel (one block) reads cu_q / kv_lens on the device (the host never sees them:
-//      no sync) and decides the split-KV factor of every request: no split when the
-//      (request, KV head, 64-row tile) units already fill the GPU, otherwise each unit's KV range
-//      is cut into near-equal pieces, as many as the fewest full waves of pieces take
-//      (attn_split.h: the chunk by wave efficiency, one candidate per thread).
+// Tensor-core path (float16 / bfloat16, head_dim 64 or 128), two launches:
+//   1. AttnPlanKernel (one block, attn_plan.cuh) reads cu_q / kv_lens / block tables on the
+//      device (the host never sees them: no sync), decides the split-KV factor of every request
+//      (attn_split.h: a cost model that prices the HBM stream, a block's own stream rate, the
+//      per-item overhead and the merge; one candidate chunk per thread), flags requests with bad
+//      block-table entries (once per forward, spread over the block) and zeroes the merge
+//      tickets.
 //   2. AttnKernel (persistent, 4 warps): work item = (request, KV head, 64-row query tile, KV
 //      split). The rows of a tile are the (query, group member) pairs of ONE KV head packed
 //      together (row = i * group + g), so every K/V page is read once per KV head, not once per
 //      query head. S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation;
 //      K/V tiles of 64 keys stream through a two-stage cp.async pipeline (page lookups per key
-//      row, so any page size works); online softmax in the exp2 domain. Unsplit items write the
-//      output; split items write (O / l, log2-sum-exp) partials.
-//   3. AttnMergeKernel: log-sum-exp merge of the partials of split items.
+//      row, so any page size works); online softmax in the exp2 domain. A tile of 16 rows or
+//      fewer (32 or fewer) keeps all 4 warps busy by giving each warp a quarter (half) of every
+//      KV tile's keys; their softmax states meet in shared memory at the end (CombineKeyParts).
+//      Unsplit items write the output; split items write (O / l, log2-sum-exp) partials, and
+//      the last split of a unit to finish (atomic ticket) merges them (attn_merge.cuh): no
+//      merge launch, split or not.
 // Step 1 runs once per forward when the caller planned (VerifyAttentionPlanCuda into buffers it
-// owns, FlashInfer's plan/run): every layer of the forward then launches 2 and 3 only, with no
+// owns, FlashInfer's plan/run): every layer of the forward then launches 2 only, with no
 // allocation of its own. Unplanned calls plan into stream-ordered scratch.
 // Other head dims and float32 take AttnSimtKernel, a plain CUDA-core kernel (a warp per query
 // and head) meant for correctness, not speed.
@@ -24,13 +28,47 @@
 // first KV tile (key, on the CUDA-core path) any row of the item sees, so tiles wholly before
 // the window are never loaded; the plan and the splits cover only that visible key range.
 //
+// Paper estimate (a model, not a measurement; replace it with the first measured run). Shape:
+// Qwen3-8B layer (32 query / 8 KV heads, head_dim 128, bf16), 8 queries a request (32 packed
+// rows a unit), 4k context (4104 keys: 65 tiles). Assumptions (H200): HBM 4.3 TB/s sustained;
+// 132 SMs x 2 blocks = 264; ~1.8 GHz; an L2 round trip ~0.3 us, an HBM one ~0.8 us under load;
+// one SM reads L2 at <= 64 B/clock (~115 GB/s); mma.sync m16n8k16 bf16 issues once per 8 clocks
+// per SM sub-partition (SMSP); warps 0 and 1 of both blocks of an SM share 2 of its 4 SMSPs; a
+// dependent launch in a CUDA graph starts ~1.5 us after its predecessor ends.
+//   Floor: K + V 16.8 MB, Q + out 0.13 MB: 3.9 us at R = 1, 126 us at R = 32.
+//   R = 1 before (fill-once split, separate merge kernel): 33 splits of 2 tiles on 264 blocks.
+//     Attention ~6.9 us: decode 0.3 + each item's bad-page scan 0.3 (+ 5-8 us per item at 32k)
+//     + block table -> first tile 1.1 + stream 3.9 (HBM-bound) + the last tile's mma on 2 SMSPs
+//     shared by both blocks of the SM (2 x 128 mma x 8 clk per warp: 1.1) + partials 0.2; then
+//     a merge launch 1.5 and the merge: 8 blocks, each thread 8 outputs x 33 splits of
+//     dependent L2 loads behind exp2-dependent branches (issue 29's SASS review): 264 round
+//     trips, ~50-80 us. Total ~60-90 us a layer (4-7% of floor).
+//   R = 1 after: the planner takes 9 splits (72 items of 8 tiles; 72 x 2 stages x 32 KB = 4.7 MB
+//     in flight still saturates HBM). Decode 0.3 (one round of independent loads; the bad flag
+//     is one of them) + first tile 1.1 + stream 3.9 + the last tile on 4 SMSPs (64 mma a warp:
+//     0.3; the other 7 tiles hide under the stream: 2.3 us of mma a block against 3.9) + key
+//     halves combined in shared memory 0.05 + partial store, fence, ticket 0.6 + the merge in
+//     the 8 last blocks: lse 0.3 (one round trip), weights 0.05, 9 partials x 16 KB at 115 GB/s
+//     1.25 (16 loads of 16 B in flight a thread: 32 KB a block, the SM's latency x bandwidth),
+//     output 0.1. Total ~7.9 us a layer (49% of floor): at the goal of <= 8 us, with the merge's
+//     per-SM L2 rate the softest assumption (at 64 B/clk; 1.25 us of the 7.9).
+//   R = 32 before: no split (256 units < 264 blocks), 65 tiles a block; mma on 2 SMSPs per SM:
+//     2 blocks x 65 tiles x 2 warps x 128 mma x 8 clk / 2 SMSPs = 74 us against 126 us of HBM,
+//     hidden by the pipeline only while a tile's mma (both blocks: 1.1 us) stays under its load
+//     (2 us): ~93-96% of floor. After: no split (the model: 513 against 523 for 2 splits); 4
+//     SMSPs: 37 us of mma under 126 us of HBM; overheads ~2 us (first tile, last tile,
+//     epilogue): ~98% of floor. R = 256: 2048 units, no split, 8 waves; the first-tile latency
+//     of each item is covered by the SM's other block: ~97%. Goal (>= 88%) met at R >= 32.
+//   R = 1, 32k: before ~35 us of attention (plus a 5-8 us bad-page scan per item) + the merge
+//     ~50-80 us; after: 9 splits of 57 tiles, stream 31.3 + ~3 = ~34 us (92%).
+//
 // NOTE: keys at or beyond a request's kv_len are never read (zero-filled instead), so pages or
 // slots the request does not own may hold anything, NaN included.
 // NOTE: bad metadata cannot be checked on the host without a sync. A request whose used
 // block-table entries are not all page ids in [0, num_pages) (or outside its table row) gets
 // NaN in all its output rows, as reference.verify_attention defines: the runner's NaN check
-// then fails that request alone. Every work item scans its request's used entries (4 bytes
-// per page against the page's K/V, at least 2 KB: noise).
+// then fails that request alone. The plan checks each request's used entries once per forward
+// (bad[] of the plan); the CUDA-core path, which has no plan, checks them in every block.
 //
 // NOTE: row and batch invariance (DESIGN §6). What a query row's output depends on besides its
 // own q, its request's K/V up to its position and its window, checked path by path:
@@ -42,8 +80,12 @@
 //     item's split boundaries cut ITS tile range, which ends at the last row of its query tile:
 //     a row's partial sums then depend on the batch and on the chain length (n_q). Neither row-
 //     nor batch-invariant: the same row alone, or in a smaller batch, may be split differently.
-//   * p.batch_invariant never splits. A row then runs, on either path, a sequence that is a
-//     function of its own position alone:
+//     Key parts (default mode) likewise: whether a tile's keys are shared by 1, 2 or 4 warps
+//     follows the number of rows in the tile (n_q x group). The merge itself is deterministic:
+//     splits are summed in index order whichever finishes last.
+//   * p.batch_invariant never splits and never shares a tile's keys between warps (one warp per
+//     16 rows, all 64 keys). A row then runs, on either path, a sequence that is a function of
+//     its own position alone:
 //     - tensor cores: KV tiles of 64 keys anchored to key 0 (tile t = keys 64t .. 64t + 63;
 //       with a window the first tile is floor(lo / 64) of the tile's first row, still a
 //       multiple of 64), taken in order. Tiles of the item past the row's last key (later chain
@@ -76,261 +118,15 @@
 #include <algorithm>
 
 #include "attn_split.h"
+#include "cuda/attn_merge.cuh"
+#include "cuda/attn_plan.cuh"
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
 
 namespace dspark::cuda {
 namespace {
 
-constexpr int kBlockM = 64;  // packed query rows per tile (16 per warp)
-constexpr int kBlockN = 64;  // keys per KV tile
-constexpr int kThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kPlanCache = 2048;  // requests the planner's search reads from shared memory
-
-struct AttnArgs {
-  const void* q;
-  const int32_t* cu_q;
-  const void* k_cache;
-  const void* v_cache;
-  const int32_t* block_tables;
-  const int32_t* kv_lens;
-  void* out;
-  float* part_o;    // [slots, kBlockM, head_dim]
-  float* part_lse;  // [slots, kBlockM], log2 domain
-  int* item_off;    // [R + 1] first work item of each request; [R] = total
-  int* split;       // [R] KV splits of each (request, head, tile)
-  int* slot_off;    // [R + 1] first partial slot of each request
-  int* merge_off;   // [R + 1] first merge unit of each request
-  int R, h_q, h_kv, group, head_dim, page_size, max_pages, num_pages;
-  int window;  // > 0: sliding window (p.window clamped to int: a wider one masks nothing more)
-  bool causal;
-  bool batch_invariant;  // no split-KV: results independent of the rest of the batch
-  float scale_log2;  // scale * log2(e)
-};
-
-// Everything a work item needs about its request.
-struct ReqInfo {
-  int q0, n, L, rows, mtiles;
-};
-
-__device__ __forceinline__ ReqInfo LoadReq(const AttnArgs& a, int r) {
-  ReqInfo ri;
-  ri.q0 = a.cu_q[r];
-  ri.n = a.cu_q[r + 1] - ri.q0;
-  ri.L = a.kv_lens[r];
-  ri.rows = ri.n * a.group;
-  ri.mtiles = ri.n > 0 ? (ri.rows + kBlockM - 1) / kBlockM : 0;
-  return ri;
-}
-
-// Visible keys of the query at position pos: [KeyLo, KeyHi) (reference.verify_attention). Both are
-// non-decreasing in pos, so a run of queries sees [KeyLo(first), KeyHi(last)). No overflow: pos
-// - window + 1 only when pos >= window, pos + window only when it is below L.
-__device__ __forceinline__ int KeyLo(const AttnArgs& a, int pos) {
-  return a.window > 0 && pos >= a.window ? pos - a.window + 1 : 0;
-}
-__device__ __forceinline__ int KeyHi(const AttnArgs& a, int L, int pos) {
-  if (a.causal) return min(L, pos + 1);
-  return a.window > 0 && L - pos > a.window ? pos + a.window : L;
-}
-
-// KV tiles the plan prices for each (request, KV head, query tile) unit of request ri: those of
-// the request's visible range [KeyLo(L - n), L); with a window, capped by what one query tile can
-// span (at most ceil(63 / group) + 1 queries, each window keys back, also forward when
-// bidirectional, plus a tile of misalignment). Only a work estimate: the run splits each item's
-// own tile range into split[r] pieces, whatever this returns.
-__device__ __forceinline__ int PlanTiles(const AttnArgs& a, const ReqInfo& ri) {
-  const int lo = KeyLo(a, ri.L - ri.n);  // 0 without a window: ceil(L / 64) tiles, as ever
-  long long tiles = (ri.L + kBlockN - 1ll) / kBlockN - lo / kBlockN;
-  if (a.window > 0) {
-    const long long span = (kBlockM - 2 + a.group) / a.group;  // query positions minus 1
-    const long long keys = span + static_cast<long long>(a.causal ? 1 : 2) * a.window;
-    tiles = std::min(tiles, (keys + kBlockN - 1) / kBlockN + 1);
-  }
-  return static_cast<int>(std::max(tiles, 0ll));
-}
-
-// Last r with off[r] <= x (off non-decreasing, off[0] = 0 <= x < off[R]).
-__device__ __forceinline__ int FindOwner(const int* off, int R, int x) {
-  int lo = 0, hi = R - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (off[mid] <= x) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-// Exclusive block scan of one int per thread (blockDim.x = 1024); returns the block total.
-__device__ __forceinline__ int BlockExclusiveScan(int v, int* excl, int* warp_sums) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int w = warp_sums[lane];
-    int wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += y;
-    }
-    warp_sums[lane] = wi - w;  // exclusive prefix of warp totals
-    if (lane == 31) warp_sums[32] = wi;
-  }
-  __syncthreads();
-  *excl = warp_sums[warp] + incl - v;
-  const int total = warp_sums[32];
-  __syncthreads();
-  return total;
-}
-
-// True in some thread iff request r's used block-table entries hold a page id outside the cache
-// or its kv_len overruns the table row (combine with __syncthreads_or).
-__device__ __forceinline__ bool ThreadSeesBadPage(const AttnArgs& a, int r, int L) {
-  const int32_t* bt = a.block_tables + static_cast<int64_t>(r) * a.max_pages;
-  const int used = (L + a.page_size - 1) / a.page_size;
-  bool bad = used > a.max_pages;
-  for (int i = threadIdx.x; i < min(used, a.max_pages); i += blockDim.x) {
-    const int page = bt[i];
-    bad |= page < 0 || page >= a.num_pages;
-  }
-  return bad;
-}
-
-// ---- 1: plan ----------------------------------------------------------------------------------
-__global__ void __launch_bounds__(1024) AttnPlanKernel(AttnArgs a, int target_ctas) {
-  __shared__ int warp_sums[33];
-  __shared__ long long red_u[32], red_w[32], red_score[32];
-  __shared__ int red_t[32], red_c[32];
-  __shared__ int chunk_s;
-  __shared__ int units_s[kPlanCache], tiles_s[kPlanCache];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Units U = sum h_kv * mtiles, work W = sum of their KV tiles, the most tiles of one unit; the
-  // (units, tiles) of the requests with query rows gathered into shared memory, where the search
-  // below reads them (fewer than target of them whenever it runs).
-  long long U = 0, W = 0;
-  int t_max = 0, n_active = 0;
-  for (int base = 0; base < a.R; base += 1024) {
-    const int r = base + tid;
-    int units = 0, tiles = 0;
-    if (r < a.R) {
-      const ReqInfo ri = LoadReq(a, r);
-      if (ri.mtiles > 0) {
-        units = a.h_kv * ri.mtiles;
-        tiles = PlanTiles(a, ri);
-        U += units;
-        W += static_cast<long long>(units) * tiles;
-        t_max = max(t_max, tiles);
-      }
-    }
-    int at;
-    const int count = BlockExclusiveScan(units > 0 ? 1 : 0, &at, warp_sums);
-    if (units > 0 && n_active + at < kPlanCache) {
-      units_s[n_active + at] = units;
-      tiles_s[n_active + at] = tiles;
-    }
-    n_active += count;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    U += __shfl_xor_sync(0xffffffffu, U, o);
-    W += __shfl_xor_sync(0xffffffffu, W, o);
-    t_max = max(t_max, __shfl_xor_sync(0xffffffffu, t_max, o));
-  }
-  if (lane == 0) {
-    red_u[warp] = U;
-    red_w[warp] = W;
-    red_t[warp] = t_max;
-  }
-  __syncthreads();
-  U = W = 0;
-  t_max = 0;
-  for (int i = 0; i < 32; ++i) {
-    U += red_u[i];
-    W += red_w[i];
-    t_max = max(t_max, red_t[i]);
-  }
-  // The split by wave efficiency (attn_split.h): thread s prices candidate s over every request.
-  int chunk = kNoSplit;
-  if (!a.batch_invariant && U < target_ctas && t_max > 0) {
-    const int c = SplitCandidate(t_max, FillOnceChunk(W, target_ctas), tid);
-    SplitPlanCost pc;
-    if (n_active <= kPlanCache) {
-      for (int i = 0; i < n_active; ++i) AddUnits(pc, units_s[i], tiles_s[i], c);
-    } else {
-      for (int r = 0; r < a.R; ++r) {
-        const ReqInfo ri = LoadReq(a, r);
-        if (ri.mtiles > 0) AddUnits(pc, static_cast<long long>(a.h_kv) * ri.mtiles, PlanTiles(a, ri), c);
-      }
-    }
-    long long score = SplitScore(pc, U, target_ctas);
-    int best = c;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const long long so = __shfl_xor_sync(0xffffffffu, score, o);
-      const int co = __shfl_xor_sync(0xffffffffu, best, o);
-      if (SplitBetter(so, co, score, best)) {
-        score = so;
-        best = co;
-      }
-    }
-    if (lane == 0) {
-      red_score[warp] = score;
-      red_c[warp] = best;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      for (int i = 1; i < 32; ++i) {
-        if (SplitBetter(red_score[i], red_c[i], score, best)) {
-          score = red_score[i];
-          best = red_c[i];
-        }
-      }
-      chunk_s = best;
-    }
-    __syncthreads();
-    chunk = chunk_s;
-  }
-  int carry_items = 0, carry_slots = 0, carry_merges = 0;
-  for (int base = 0; base < a.R; base += 1024) {
-    const int r = base + tid;
-    int items = 0, slots = 0, merges = 0, S = 1;
-    if (r < a.R) {
-      const ReqInfo ri = LoadReq(a, r);
-      const int tiles = PlanTiles(a, ri);
-      if (chunk != kNoSplit) S = max(1, (tiles + chunk - 1) / chunk);
-      items = a.h_kv * ri.mtiles * S;
-      slots = S > 1 ? items : 0;
-      merges = S > 1 ? a.h_kv * ri.mtiles : 0;
-      a.split[r] = S;
-    }
-    int e_items, e_slots, e_merges;
-    const int t_items = BlockExclusiveScan(items, &e_items, warp_sums);
-    const int t_slots = BlockExclusiveScan(slots, &e_slots, warp_sums);
-    const int t_merges = BlockExclusiveScan(merges, &e_merges, warp_sums);
-    if (r < a.R) {
-      a.item_off[r] = carry_items + e_items;
-      a.slot_off[r] = carry_slots + e_slots;
-      a.merge_off[r] = carry_merges + e_merges;
-    }
-    carry_items += t_items;
-    carry_slots += t_slots;
-    carry_merges += t_merges;
-  }
-  if (tid == 0) {
-    a.item_off[a.R] = carry_items;
-    a.slot_off[a.R] = carry_slots;
-    a.merge_off[a.R] = carry_merges;
-  }
-}
-
-// ---- 2: attention tiles -----------------------------------------------------------------------
+// ---- 2: attention -----------------------------------------------------------------------------
 // Shared-memory tiles are [64 rows][HD] 16-bit, 16-byte chunks XOR-swizzled by row so that
 // ldmatrix (8 rows x 16 bytes) and cp.async rows hit all 32 banks.
 template <int HD>
@@ -363,255 +159,332 @@ __device__ __forceinline__ void LoadKvTile(const AttnArgs& a, T* sk, T* sv, int 
   }
 }
 
-template <class T, int HD>
-__global__ void __launch_bounds__(kThreads, 2) AttnKernel(AttnArgs a) {
+// A work item: rows row0 .. row0 + rows_here - 1 (tile mt) of request r for KV head h, split s
+// of S, over KV tiles tb .. te - 1 (keys below key_hi); its partial goes to `slot` (S > 1), and
+// the unit's splits 0 .. S-1 sit at slot0 + s * mtiles.
+struct Item {
+  ReqInfo ri;
+  int r, h, mt, S, row0, rows_here, tb, te, key_hi;
+  int64_t slot, slot0;
+  bool bad;
+};
+
+__device__ __forceinline__ Item DecodeItem(const AttnArgs& a, int item) {
+  Item it;
+  it.r = FindOwner(a.item_off, a.R, item);
+  it.ri = LoadReq(a, it.r);
+  const ReqInfo& ri = it.ri;
+  it.S = a.split[it.r];
+  it.bad = a.bad[it.r] != 0;
+  const int local = item - a.item_off[it.r];
+  it.mt = local % ri.mtiles;
+  const int rest = local / ri.mtiles;
+  const int s = rest % it.S;
+  it.h = rest / it.S;
+  it.slot = a.slot_off[it.r] + static_cast<int64_t>(local);
+  it.slot0 = a.slot_off[it.r] + static_cast<int64_t>(it.h) * it.S * ri.mtiles + it.mt;
+  it.row0 = it.mt * kBlockM;
+  it.rows_here = min(kBlockM, ri.rows - it.row0);
+  const int i_min = it.row0 / a.group, i_max = (it.row0 + it.rows_here - 1) / a.group;
+  // The item's visible keys [kv_begin, kv_end); its tiles t_first .. t_end - 1 (those wholly
+  // before kv_begin are skipped, not loaded) are cut into S near-equal splits.
+  const int kv_begin = KeyLo(a, ri.L - ri.n + i_min);
+  const int kv_end = KeyHi(a, ri.L, ri.L - ri.n + i_max);
+  const int t_first = kv_begin / kBlockN;
+  const int tiles = max(0, (kv_end + kBlockN - 1) / kBlockN - t_first);
+  it.tb = t_first + static_cast<int>(static_cast<int64_t>(s) * tiles / it.S);
+  it.te = t_first + static_cast<int>(static_cast<int64_t>(s + 1) * tiles / it.S);
+  it.key_hi = min(it.te * kBlockN, kv_end);
+  return it;
+}
+
+// Warps sharing each KV tile's keys: 4 for a tile of <= 16 rows, 2 for <= 32, else 1 (and always
+// 1 under batch_invariant: see the NOTE on row invariance).
+__device__ __forceinline__ int KeyParts(const AttnArgs& a, int rows_here) {
+  if (a.batch_invariant) return 1;
+  return rows_here <= 16 ? 4 : (rows_here <= 32 ? 2 : 1);
+}
+
+// KW > 1: warp (rg, kp) = (warp % RG, warp / RG) holds the online softmax of rows rg * 16 ..
+// rg * 16 + 15 over the kp-th 64 / KW keys of every tile. Folds the parts kp > 0 into kp = 0,
+// in the order kp = 0, 1, ...: per-row (m, l) through `buf` first, then the O fragments of the
+// parts kp > 0 rescaled to the common max. Every thread of the block calls it.
+template <int HD, int KW>
+__device__ __forceinline__ void CombineKeyParts(float* buf, int warp, int lane, float& m0, float& m1, float& l0,
+                                                float& l1, float (&o)[HD / 8][4]) {
+  constexpr int RG = 4 / KW, kDTiles = HD / 8;
+  const int rg = warp % RG, kp = warp / RG, g = lane >> 2, t = lane & 3;
+  float* st = buf;            // [4 warps][16 rows] x (m, l)
+  float* ob = buf + 4 * 32;   // [KW - 1][RG][kDTiles][4][32 lanes]
+  if (t == 0) {
+    st[(warp * 16 + g) * 2] = m0;
+    st[(warp * 16 + g) * 2 + 1] = l0;
+    st[(warp * 16 + g + 8) * 2] = m1;
+    st[(warp * 16 + g + 8) * 2 + 1] = l1;
+  }
+  __syncthreads();
+  float mx0 = -kInfF, mx1 = -kInfF;
+#pragma unroll
+  for (int k = 0; k < KW; ++k) {
+    const int w = rg + k * RG;
+    mx0 = fmaxf(mx0, st[(w * 16 + g) * 2]);
+    mx1 = fmaxf(mx1, st[(w * 16 + g + 8) * 2]);
+  }
+  // A row no part saw keeps m = -inf: exponents use 0, so exp2(-inf - 0) = 0 rather than NaN.
+  const float mu0 = mx0 == -kInfF ? 0.f : mx0, mu1 = mx1 == -kInfF ? 0.f : mx1;
+  const float f0 = exp2f(m0 - mu0), f1 = exp2f(m1 - mu1);
+  if (kp > 0) {
+    float* dst = ob + ((kp - 1) * RG + rg) * kDTiles * 128;
+#pragma unroll
+    for (int dn = 0; dn < kDTiles; ++dn) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[(dn * 4 + e) * 32 + lane] = o[dn][e] * (e < 2 ? f0 : f1);
+    }
+  }
+  __syncthreads();
+  if (kp == 0) {
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int k = 0; k < KW; ++k) {
+      const int w = rg + k * RG;
+      s0 += exp2f(st[(w * 16 + g) * 2] - mu0) * st[(w * 16 + g) * 2 + 1];
+      s1 += exp2f(st[(w * 16 + g + 8) * 2] - mu1) * st[(w * 16 + g + 8) * 2 + 1];
+    }
+#pragma unroll
+    for (int dn = 0; dn < kDTiles; ++dn) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = o[dn][e] * (e < 2 ? f0 : f1);
+#pragma unroll
+        for (int k = 1; k < KW; ++k) v += ob[(((k - 1) * RG + rg) * kDTiles + dn) * 128 + e * 32 + lane];
+        o[dn][e] = v;
+      }
+    }
+    m0 = mx0;
+    m1 = mx1;
+    l0 = s0;
+    l1 = s1;
+  }
+}
+
+// One work item with KW warps on each tile's keys (KeyParts): loads Q and streams the item's KV
+// tiles, then writes the output (S == 1) or the split's partial (S > 1).
+template <class T, int HD, int KW>
+__device__ __forceinline__ void AttnItem(const AttnArgs& a, unsigned char* smem_raw, const Item& it) {
   constexpr int kChunks = HD / 8;
-  constexpr int kDTiles = HD / 8;  // n-tiles of the output
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  constexpr int kDTiles = HD / 8;   // n-tiles of the output
+  constexpr int RG = 4 / KW;        // row groups of 16
+  constexpr int kKeys = kBlockN / KW;  // keys of a tile per warp
+  constexpr int NT = kKeys / 8;     // n-tiles of S per warp
   // [Q | K stage 0 | K stage 1 | V stage 0 | V stage 1], each [64][HD]. NOTE: stage pointers are
   // computed, not kept in an array, which a run-time index would move to local memory.
   T* sq = reinterpret_cast<T*>(smem_raw);
   auto sk = [&](int stage) { return sq + (kBlockM + stage * kBlockN) * HD; };
   auto sv = [&](int stage) { return sq + (kBlockM + (2 + stage) * kBlockN) * HD; };
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int total = a.item_off[a.R];
+  const int rg = warp % RG, kp = warp / RG, koff = kp * kKeys;
+  const ReqInfo& ri = it.ri;
+  const int r = it.r, h = it.h, row0 = it.row0, rows_here = it.rows_here, key_hi = it.key_hi;
+  const int tb = it.tb, te = it.te;
 
-  for (int item = blockIdx.x; item < total; item += gridDim.x) {
-    // ---- decode the work item ----
-    const int r = FindOwner(a.item_off, a.R, item);
-    const ReqInfo ri = LoadReq(a, r);
-    const int S = a.split[r];
-    const int local = item - a.item_off[r];
-    const int mt = local % ri.mtiles, rest = local / ri.mtiles;
-    const int s = rest % S, h = rest / S;
-    const int row0 = mt * kBlockM;
-    const int rows_here = min(kBlockM, ri.rows - row0);
-    const int i_min = row0 / a.group, i_max = (row0 + rows_here - 1) / a.group;
-    // The item's visible keys [kv_begin, kv_end); its tiles t_first .. t_end - 1 (those wholly
-    // before kv_begin are skipped, not loaded) are cut into S near-equal splits.
-    const int kv_begin = KeyLo(a, ri.L - ri.n + i_min);
-    const int kv_end = KeyHi(a, ri.L, ri.L - ri.n + i_max);
-    const int t_first = kv_begin / kBlockN;
-    const int tiles = max(0, (kv_end + kBlockN - 1) / kBlockN - t_first);
-    const int tb = t_first + static_cast<int>(static_cast<int64_t>(s) * tiles / S);
-    const int te = t_first + static_cast<int>(static_cast<int64_t>(s + 1) * tiles / S);
-    const int key_hi = min(te * kBlockN, kv_end);
-
-    // Also the barrier after which the previous item is done with every tile.
-    const bool bad = __syncthreads_or(ThreadSeesBadPage(a, r, ri.L));
-    // ---- Q tile: packed row p = (query i, group member gg) ----
-    {
-      const T* qg = static_cast<const T*>(a.q);
+  // ---- Q tile: packed row p = (query i, group member gg) ----
+  {
+    const T* qg = static_cast<const T*>(a.q);
 #pragma unroll
-      for (int it = 0; it < kBlockM * kChunks / kThreads; ++it) {
-        const int idx = it * kThreads + threadIdx.x;
-        const int p = idx / kChunks, ch = idx % kChunks;
-        const bool valid = p < rows_here;
-        int64_t off = 0;
-        if (valid) {
-          const int i = (row0 + p) / a.group, gg = (row0 + p) % a.group;
-          off = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD + ch * 8;
-        }
-        CpAsync16(SmemAddr(sq + Swz<HD>(p, ch)), qg + off, valid ? 16 : 0);
+    for (int i_t = 0; i_t < kBlockM * kChunks / kThreads; ++i_t) {
+      const int idx = i_t * kThreads + threadIdx.x;
+      const int p = idx / kChunks, ch = idx % kChunks;
+      const bool valid = p < rows_here;
+      int64_t off = 0;
+      if (valid) {
+        const int i = (row0 + p) / a.group, gg = (row0 + p) % a.group;
+        off = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD + ch * 8;
       }
+      CpAsync16(SmemAddr(sq + Swz<HD>(p, ch)), qg + off, valid ? 16 : 0);
     }
-    if (tb < te) LoadKvTile<T, HD>(a, sk(0), sv(0), r, h, tb * kBlockN, key_hi);
-    CpAsyncCommit();
+  }
+  if (tb < te) LoadKvTile<T, HD>(a, sk(0), sv(0), r, h, tb * kBlockN, key_hi);
+  CpAsyncCommit();
 
-    // Rows of this thread: p0 = warp * 16 + g and p0 + 8; their visible keys [lo, hi) (causal
-    // mask, window). The warp's tightest edges tell whether a tile needs the mask at all.
-    const int p0 = warp * 16 + g;
-    const bool warp_active = warp * 16 < rows_here;
-    const int qpos0 = ri.L - ri.n + (row0 + p0) / a.group;
-    const int qpos1 = ri.L - ri.n + (row0 + p0 + 8) / a.group;
-    const int lo0 = KeyLo(a, qpos0), hi0 = KeyHi(a, ri.L, qpos0);
-    const int lo1 = KeyLo(a, qpos1), hi1 = KeyHi(a, ri.L, qpos1);
-    const int hi_min_warp = KeyHi(a, ri.L, ri.L - ri.n + (row0 + warp * 16) / a.group);
-    const int lo_max_warp = KeyLo(a, ri.L - ri.n + (row0 + min(warp * 16 + 15, rows_here - 1)) / a.group);
-    float m0 = -kInfF, m1 = -kInfF, l0 = 0.f, l1 = 0.f;
-    float o[kDTiles][4];
+  // Rows of this thread: p0 = rg * 16 + g and p0 + 8; their visible keys [lo, hi) (causal
+  // mask, window). The warp's tightest edges tell whether its keys of a tile need the mask.
+  const int p0 = rg * 16 + g;
+  const bool warp_active = rg * 16 < rows_here;
+  const int qpos0 = ri.L - ri.n + (row0 + p0) / a.group;
+  const int qpos1 = ri.L - ri.n + (row0 + p0 + 8) / a.group;
+  const int lo0 = KeyLo(a, qpos0), hi0 = KeyHi(a, ri.L, qpos0);
+  const int lo1 = KeyLo(a, qpos1), hi1 = KeyHi(a, ri.L, qpos1);
+  const int hi_min_warp = KeyHi(a, ri.L, ri.L - ri.n + (row0 + rg * 16) / a.group);
+  const int lo_max_warp = KeyLo(a, ri.L - ri.n + (row0 + min(rg * 16 + 15, rows_here - 1)) / a.group);
+  float m0 = -kInfF, m1 = -kInfF, l0 = 0.f, l1 = 0.f;
+  float o[kDTiles][4];
 #pragma unroll
-    for (int dn = 0; dn < kDTiles; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+  for (int dn = 0; dn < kDTiles; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
 
-    for (int tile = tb; tile < te; ++tile) {
-      const int stage = (tile - tb) & 1;
-      if (tile + 1 < te) {
-        LoadKvTile<T, HD>(a, sk(stage ^ 1), sv(stage ^ 1), r, h, (tile + 1) * kBlockN, key_hi);
-        CpAsyncCommit();
-        CpAsyncWait<1>();
-      } else {
-        CpAsyncWait<0>();
-      }
-      __syncthreads();
-      if (warp_active) {
-        const int kb = tile * kBlockN;
-        // ---- S = Q K^T (16 rows x 64 keys per warp) ----
-        float acc[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        const int mi = lane >> 3, r8 = lane & 7;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-          uint32_t qa[4];
-          LdMatrixX4(qa, SmemAddr(sq + Swz<HD>(warp * 16 + (mi & 1) * 8 + r8, kk * 2 + (mi >> 1))));
-#pragma unroll
-          for (int np = 0; np < 4; ++np) {
-            uint32_t kb4[4];
-            LdMatrixX4(kb4, SmemAddr(sk(stage) + Swz<HD>(np * 16 + (mi >> 1) * 8 + r8, kk * 2 + (mi & 1))));
-            Mma16816<T>(acc[2 * np], qa[0], qa[1], qa[2], qa[3], kb4[0], kb4[1]);
-            Mma16816<T>(acc[2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb4[2], kb4[3]);
-          }
-        }
-        // ---- scale, mask, online softmax (exp2 domain) ----
-        const bool need_mask = kb + kBlockN > min(key_hi, hi_min_warp) || kb < lo_max_warp;
-        float mx0 = -kInfF, mx1 = -kInfF;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v = __fmul_rn(acc[nt][e], a.scale_log2);  // never contracted: see the NOTE
-            if (need_mask) {
-              const int key = kb + nt * 8 + 2 * t + (e & 1);
-              const int lo = e < 2 ? lo0 : lo1, hi = e < 2 ? hi0 : hi1;
-              if (key >= key_hi || key >= hi || key < lo) v = -kInfF;
-            }
-            acc[nt][e] = v;
-          }
-          mx0 = fmaxf(mx0, fmaxf(acc[nt][0], acc[nt][1]));
-          mx1 = fmaxf(mx1, fmaxf(acc[nt][2], acc[nt][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        // A row with every key masked so far keeps m = -inf; exponents use 0 instead so that
-        // exp2(-inf - 0) = 0 rather than NaN.
-        const float mu0 = mn0 == -kInfF ? 0.f : mn0, mu1 = mn1 == -kInfF ? 0.f : mn1;
-        const float al0 = exp2f(m0 - mu0), al1 = exp2f(m1 - mu1);
-        m0 = mn0;
-        m1 = mn1;
-        float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          acc[nt][0] = exp2f(acc[nt][0] - mu0);
-          acc[nt][1] = exp2f(acc[nt][1] - mu0);
-          acc[nt][2] = exp2f(acc[nt][2] - mu1);
-          acc[nt][3] = exp2f(acc[nt][3] - mu1);
-          rs0 += acc[nt][0] + acc[nt][1];
-          rs1 += acc[nt][2] + acc[nt][3];
-        }
-        l0 = l0 * al0 + rs0;
-        l1 = l1 * al1 + rs1;
-#pragma unroll
-        for (int dn = 0; dn < kDTiles; ++dn) {
-          o[dn][0] *= al0;
-          o[dn][1] *= al0;
-          o[dn][2] *= al1;
-          o[dn][3] *= al1;
-        }
-        // ---- O += P V: P straight from the S accumulators (C layout = A layout) ----
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          const uint32_t pa0 = PackPair<T>(acc[2 * kk][0], acc[2 * kk][1]);
-          const uint32_t pa1 = PackPair<T>(acc[2 * kk][2], acc[2 * kk][3]);
-          const uint32_t pa2 = PackPair<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-          const uint32_t pa3 = PackPair<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-#pragma unroll
-          for (int dp = 0; dp < HD / 16; ++dp) {
-            uint32_t vb[4];
-            LdMatrixX4Trans(vb, SmemAddr(sv(stage) + Swz<HD>(kk * 16 + (mi & 1) * 8 + r8, dp * 2 + (mi >> 1))));
-            Mma16816<T>(o[2 * dp], pa0, pa1, pa2, pa3, vb[0], vb[1]);
-            Mma16816<T>(o[2 * dp + 1], pa0, pa1, pa2, pa3, vb[2], vb[3]);
-          }
-        }
-      }
-      __syncthreads();  // this stage is refilled two iterations from now
-    }
-    CpAsyncWait<0>();  // an empty split loaded Q only: let it land before sq is reused
-
-    // ---- epilogue ----
-    if (!warp_active) continue;
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    if (bad) inv0 = inv1 = kNaNF;  // NaN rows (a split: NaN partials of log-sum-exp +inf)
-    const bool ok0 = p0 < rows_here, ok1 = p0 + 8 < rows_here;
-    if (S == 1) {
-      T* og = static_cast<T*>(a.out);
-      int64_t base0 = 0, base1 = 0;
-      if (ok0) {
-        const int i = (row0 + p0) / a.group, gg = (row0 + p0) % a.group;
-        base0 = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD;
-      }
-      if (ok1) {
-        const int i = (row0 + p0 + 8) / a.group, gg = (row0 + p0 + 8) % a.group;
-        base1 = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD;
-      }
-#pragma unroll
-      for (int dn = 0; dn < kDTiles; ++dn) {
-        const int d = dn * 8 + 2 * t;
-        if (ok0) *reinterpret_cast<uint32_t*>(og + base0 + d) = PackPair<T>(o[dn][0] * inv0, o[dn][1] * inv0);
-        if (ok1) *reinterpret_cast<uint32_t*>(og + base1 + d) = PackPair<T>(o[dn][2] * inv1, o[dn][3] * inv1);
-      }
+  for (int tile = tb; tile < te; ++tile) {
+    const int stage = (tile - tb) & 1;
+    if (tile + 1 < te) {
+      LoadKvTile<T, HD>(a, sk(stage ^ 1), sv(stage ^ 1), r, h, (tile + 1) * kBlockN, key_hi);
+      CpAsyncCommit();
+      CpAsyncWait<1>();
     } else {
-      const int64_t slot = a.slot_off[r] + local;
-      float* po = a.part_o + slot * kBlockM * HD;
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+    if (warp_active) {
+      const int kb = tile * kBlockN + koff;  // this warp's first key of the tile
+      // ---- S = Q K^T (16 rows x kKeys keys per warp) ----
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      const int mi = lane >> 3, r8 = lane & 7;
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t qa[4];
+        LdMatrixX4(qa, SmemAddr(sq + Swz<HD>(rg * 16 + (mi & 1) * 8 + r8, kk * 2 + (mi >> 1))));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t kb4[4];
+          LdMatrixX4(kb4, SmemAddr(sk(stage) + Swz<HD>(koff + np * 16 + (mi >> 1) * 8 + r8, kk * 2 + (mi & 1))));
+          Mma16816<T>(acc[2 * np], qa[0], qa[1], qa[2], qa[3], kb4[0], kb4[1]);
+          Mma16816<T>(acc[2 * np + 1], qa[0], qa[1], qa[2], qa[3], kb4[2], kb4[3]);
+        }
+      }
+      // ---- scale, mask, online softmax (exp2 domain) ----
+      const bool need_mask = kb + kKeys > min(key_hi, hi_min_warp) || kb < lo_max_warp;
+      float mx0 = -kInfF, mx1 = -kInfF;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = __fmul_rn(acc[nt][e], a.scale_log2);  // never contracted: see the NOTE
+          if (need_mask) {
+            const int key = kb + nt * 8 + 2 * t + (e & 1);
+            const int lo = e < 2 ? lo0 : lo1, hi = e < 2 ? hi0 : hi1;
+            if (key >= key_hi || key >= hi || key < lo) v = -kInfF;
+          }
+          acc[nt][e] = v;
+        }
+        mx0 = fmaxf(mx0, fmaxf(acc[nt][0], acc[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(acc[nt][2], acc[nt][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      // A row with every key masked so far keeps m = -inf; exponents use 0 instead so that
+      // exp2(-inf - 0) = 0 rather than NaN.
+      const float mu0 = mn0 == -kInfF ? 0.f : mn0, mu1 = mn1 == -kInfF ? 0.f : mn1;
+      const float al0 = exp2f(m0 - mu0), al1 = exp2f(m1 - mu1);
+      m0 = mn0;
+      m1 = mn1;
+      float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        acc[nt][0] = exp2f(acc[nt][0] - mu0);
+        acc[nt][1] = exp2f(acc[nt][1] - mu0);
+        acc[nt][2] = exp2f(acc[nt][2] - mu1);
+        acc[nt][3] = exp2f(acc[nt][3] - mu1);
+        rs0 += acc[nt][0] + acc[nt][1];
+        rs1 += acc[nt][2] + acc[nt][3];
+      }
+      l0 = l0 * al0 + rs0;
+      l1 = l1 * al1 + rs1;
 #pragma unroll
       for (int dn = 0; dn < kDTiles; ++dn) {
-        const int d = dn * 8 + 2 * t;
-        if (ok0) *reinterpret_cast<float2*>(po + p0 * HD + d) = make_float2(o[dn][0] * inv0, o[dn][1] * inv0);
-        if (ok1) *reinterpret_cast<float2*>(po + (p0 + 8) * HD + d) = make_float2(o[dn][2] * inv1, o[dn][3] * inv1);
+        o[dn][0] *= al0;
+        o[dn][1] *= al0;
+        o[dn][2] *= al1;
+        o[dn][3] *= al1;
       }
-      if (t == 0) {
-        float* pl = a.part_lse + slot * kBlockM;
-        if (ok0) pl[p0] = bad ? kInfF : (l0 > 0.f ? m0 + log2f(l0) : -kInfF);
-        if (ok1) pl[p0 + 8] = bad ? kInfF : (l1 > 0.f ? m1 + log2f(l1) : -kInfF);
+      // ---- O += P V: P straight from the S accumulators (C layout = A layout) ----
+#pragma unroll
+      for (int kk = 0; kk < NT / 2; ++kk) {
+        const uint32_t pa0 = PackPair<T>(acc[2 * kk][0], acc[2 * kk][1]);
+        const uint32_t pa1 = PackPair<T>(acc[2 * kk][2], acc[2 * kk][3]);
+        const uint32_t pa2 = PackPair<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+        const uint32_t pa3 = PackPair<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < HD / 16; ++dp) {
+          uint32_t vb[4];
+          LdMatrixX4Trans(vb, SmemAddr(sv(stage) + Swz<HD>(koff + kk * 16 + (mi & 1) * 8 + r8, dp * 2 + (mi >> 1))));
+          Mma16816<T>(o[2 * dp], pa0, pa1, pa2, pa3, vb[0], vb[1]);
+          Mma16816<T>(o[2 * dp + 1], pa0, pa1, pa2, pa3, vb[2], vb[3]);
+        }
       }
+    }
+    __syncthreads();  // this stage is refilled two iterations from now
+  }
+  CpAsyncWait<0>();  // an empty split loaded Q only: let it land before sq is reused
+
+  // ---- epilogue ----
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  // NOTE: the K / V stages are free: the loop's last barrier (or, with no tile, the item's
+  // first) follows every warp's last read of them.
+  if constexpr (KW > 1) CombineKeyParts<HD, KW>(reinterpret_cast<float*>(sk(0)), warp, lane, m0, m1, l0, l1, o);
+  if (!warp_active || kp != 0) return;
+  float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  if (it.bad) inv0 = inv1 = kNaNF;  // NaN rows (a split: NaN partials of log-sum-exp +inf)
+  const bool ok0 = p0 < rows_here, ok1 = p0 + 8 < rows_here;
+  if (it.S == 1) {
+    T* og = static_cast<T*>(a.out);
+    int64_t base0 = 0, base1 = 0;
+    if (ok0) {
+      const int i = (row0 + p0) / a.group, gg = (row0 + p0) % a.group;
+      base0 = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD;
+    }
+    if (ok1) {
+      const int i = (row0 + p0 + 8) / a.group, gg = (row0 + p0 + 8) % a.group;
+      base1 = (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD;
+    }
+#pragma unroll
+    for (int dn = 0; dn < kDTiles; ++dn) {
+      const int d = dn * 8 + 2 * t;
+      if (ok0) *reinterpret_cast<uint32_t*>(og + base0 + d) = PackPair<T>(o[dn][0] * inv0, o[dn][1] * inv0);
+      if (ok1) *reinterpret_cast<uint32_t*>(og + base1 + d) = PackPair<T>(o[dn][2] * inv1, o[dn][3] * inv1);
+    }
+  } else {
+    float* po = a.part_o + it.slot * kBlockM * HD;
+#pragma unroll
+    for (int dn = 0; dn < kDTiles; ++dn) {
+      const int d = dn * 8 + 2 * t;
+      if (ok0) *reinterpret_cast<float2*>(po + p0 * HD + d) = make_float2(o[dn][0] * inv0, o[dn][1] * inv0);
+      if (ok1) *reinterpret_cast<float2*>(po + (p0 + 8) * HD + d) = make_float2(o[dn][2] * inv1, o[dn][3] * inv1);
+    }
+    if (t == 0) {
+      float* pl = a.part_lse + it.slot * kBlockM;
+      if (ok0) pl[p0] = it.bad ? kInfF : (l0 > 0.f ? m0 + log2f(l0) : -kInfF);
+      if (ok1) pl[p0 + 8] = it.bad ? kInfF : (l1 > 0.f ? m1 + log2f(l1) : -kInfF);
     }
   }
 }
 
-// ---- 3: merge of split partials -------------------------------------------------------------
-template <class T>
-__global__ void __launch_bounds__(kThreads) AttnMergeKernel(AttnArgs a) {
-  const int total = a.merge_off[a.R];
-  const int HD = a.head_dim, d4n = HD / 4;
-  for (int u = blockIdx.x; u < total; u += gridDim.x) {
-    const int r = FindOwner(a.merge_off, a.R, u);
-    const ReqInfo ri = LoadReq(a, r);
-    const int S = a.split[r];
-    const int local = u - a.merge_off[r];
-    const int mt = local % ri.mtiles, h = local / ri.mtiles;
-    const int row0 = mt * kBlockM, rows_here = min(kBlockM, ri.rows - row0);
-    for (int idx = threadIdx.x; idx < rows_here * d4n; idx += kThreads) {
-      const int p = idx / d4n, d = (idx - p * d4n) * 4;
-      float lmax = -kInfF;
-      for (int s = 0; s < S; ++s) {
-        const int64_t slot = a.slot_off[r] + static_cast<int64_t>(h * S + s) * ri.mtiles + mt;
-        lmax = fmaxf(lmax, a.part_lse[slot * kBlockM + p]);
-      }
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      float wsum = 0.f;
-      if (lmax != -kInfF) {
-        for (int s = 0; s < S; ++s) {
-          const int64_t slot = a.slot_off[r] + static_cast<int64_t>(h * S + s) * ri.mtiles + mt;
-          const float w = exp2f(a.part_lse[slot * kBlockM + p] - lmax);
-          if (w == 0.f) continue;  // an empty split's O is 0 but skip it anyway
-          const float4 ov = *reinterpret_cast<const float4*>(a.part_o + (slot * kBlockM + p) * HD + d);
-          acc.x += w * ov.x;
-          acc.y += w * ov.y;
-          acc.z += w * ov.z;
-          acc.w += w * ov.w;
-          wsum += w;
-        }
-      }
-      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-      const int i = (row0 + p) / a.group, gg = (row0 + p) % a.group;
-      T* dst = static_cast<T*>(a.out) + (static_cast<int64_t>(ri.q0 + i) * a.h_q + h * a.group + gg) * HD + d;
-      Store4(dst, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+// NOTE: head_dim 64 asks for 3 blocks per SM (<= 168 registers), as many as its 40 KB of shared
+// memory and the registers of the loop allow; 128 for 2 (80 KB each).
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads, HD == 64 ? 3 : 2) AttnKernel(AttnArgs a) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ int last_s;
+  static_assert(kMergeSmemFloats * 4 <= (kBlockM + 4 * kBlockN) * HD * 2, "the merge fits the tiles' place");
+  const int total = a.item_off[a.R];
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const Item it = DecodeItem(a, item);
+    __syncthreads();  // the previous item (its tiles, its merge) is done with shared memory
+    const int kw = KeyParts(a, it.rows_here);
+    if (kw == 4) {
+      AttnItem<T, HD, 4>(a, smem_raw, it);
+    } else if (kw == 2) {
+      AttnItem<T, HD, 2>(a, smem_raw, it);
+    } else {
+      AttnItem<T, HD, 1>(a, smem_raw, it);
+    }
+    if (it.S > 1 && LastSplit(a.tickets + it.slot0, it.S, &last_s)) {
+      MergeSplits<T, HD>(a, reinterpret_cast<float*>(smem_raw), it.ri, it.h, it.row0, it.rows_here, it.S, it.slot0,
+                         it.ri.mtiles, it.bad);
     }
   }
 }
@@ -685,6 +558,7 @@ __global__ void __launch_bounds__(kThreads) AttnSimtKernel(AttnArgs a) {
   }
 }
 
+
 // ---- host ------------------------------------------------------------------------------------
 // The persistent tensor-core grid: as many blocks as are co-resident on the device.
 template <class T, int HD>
@@ -716,17 +590,25 @@ Status TensorCoreGridFor(const VerifyAttentionParams& p, const DeviceLimits& lim
 }
 
 // Split slots never exceed 2 * target: the planner's candidates past that are refused
-// (attn_split.h SplitScore); slots <= split items.
-int64_t SlotsFor(int target) { return 2 * static_cast<int64_t>(target); }
+// (attn_split.h SplitScore); slots <= split items. The partials' buffer has one slot more (more
+// only on a GPU of over 2048 blocks) for the merge tickets, one int per split slot.
+int64_t SplitSlots(int target) { return 2 * static_cast<int64_t>(target); }
+int64_t SlotsFor(int target, int head_dim) {
+  const int64_t per_slot = static_cast<int64_t>(kBlockM) * head_dim;
+  return SplitSlots(target) + (SplitSlots(target) + per_slot - 1) / per_slot;
+}
 
-void SetPlan(AttnArgs& a, int32_t* work, float* part_o, float* part_lse) {
+// The plan's arrays in `work` ([4 (R + 1)] int32: item_off | split | slot_off | bad) and the
+// partials; the tickets live past the split slots of part_o.
+void SetPlan(AttnArgs& a, int32_t* work, float* part_o, float* part_lse, int target) {
   const int n1 = a.R + 1;
   a.item_off = work;
   a.split = work + n1;
   a.slot_off = work + 2 * n1;
-  a.merge_off = work + 3 * n1;
+  a.bad = work + 3 * n1;
   a.part_o = part_o;
   a.part_lse = part_lse;
+  a.tickets = reinterpret_cast<int*>(part_o + SplitSlots(target) * kBlockM * a.head_dim);
 }
 
 AttnArgs MakeArgs(const VerifyAttentionParams& p) {
@@ -760,22 +642,20 @@ Status LaunchTensorCore(AttnArgs a, const VerifyAttentionParams& p, const Device
   if (st != Status::kOk) return st;
   Scratch scratch(stream);
   if (p.work) {  // planned once for the whole forward
-    if (p.plan_slots < SlotsFor(target) || !p.part_o || !p.part_lse) return Status::kBadArgument;
-    SetPlan(a, p.work, p.part_o, p.part_lse);
+    if (p.plan_slots < SlotsFor(target, HD) || !p.part_o || !p.part_lse) return Status::kBadArgument;
+    SetPlan(a, p.work, p.part_o, p.part_lse, target);
   } else {
     int32_t* work = nullptr;
     float *part_o = nullptr, *part_lse = nullptr;
-    const size_t slots = static_cast<size_t>(SlotsFor(target));
+    const size_t slots = static_cast<size_t>(SlotsFor(target, HD));
     if ((st = scratch.Get(4 * (static_cast<size_t>(a.R) + 1), &work)) != Status::kOk) return st;
     if ((st = scratch.Get(slots * kBlockM * HD, &part_o)) != Status::kOk) return st;
     if ((st = scratch.Get(slots * kBlockM, &part_lse)) != Status::kOk) return st;
-    SetPlan(a, work, part_o, part_lse);
+    SetPlan(a, work, part_o, part_lse, target);
     AttnPlanKernel<<<1, 1024, 0, stream>>>(a, target);
     if ((st = LaunchStatus()) != Status::kOk) return st;
   }
-  AttnKernel<T, HD><<<target, kThreads, smem, stream>>>(a);
-  if ((st = LaunchStatus()) != Status::kOk) return st;
-  AttnMergeKernel<T><<<target, kThreads, 0, stream>>>(a);
+  AttnKernel<T, HD><<<target, kThreads, smem, stream>>>(a);  // merges its own splits
   return LaunchStatus();
 }
 
@@ -801,7 +681,7 @@ Status PlanSlots(const VerifyAttentionParams& p, int64_t* slots) {
   if (Status s = CurrentDeviceLimits(&lim); s != Status::kOk) return s;
   int target = 0, smem = 0;
   const Status st = TensorCoreGridFor<T>(p, lim, &target, &smem);
-  *slots = target > 0 ? SlotsFor(target) : 0;
+  *slots = target > 0 ? SlotsFor(target, static_cast<int>(p.head_dim)) : 0;
   return st;
 }
 
@@ -812,9 +692,11 @@ Status Plan(const VerifyAttentionParams& p, cudaStream_t stream) {
   int target = 0, smem = 0;
   Status st = TensorCoreGridFor<T>(p, lim, &target, &smem);
   if (st != Status::kOk || target == 0) return st;
-  if (!p.work || !p.part_o || !p.part_lse || p.plan_slots < SlotsFor(target)) return Status::kBadArgument;
+  if (!p.work || !p.part_o || !p.part_lse || p.plan_slots < SlotsFor(target, static_cast<int>(p.head_dim))) {
+    return Status::kBadArgument;
+  }
   AttnArgs a = MakeArgs(p);
-  SetPlan(a, p.work, p.part_o, p.part_lse);
+  SetPlan(a, p.work, p.part_o, p.part_lse, target);
   AttnPlanKernel<<<1, 1024, 0, stream>>>(a, target);
   return LaunchStatus();
 }

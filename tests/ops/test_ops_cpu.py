@@ -601,26 +601,29 @@ def test_results_independent_of_thread_count():
 
 
 def _split_score(units, tiles, chunk, target):
-    """verify_attention's split-KV cost model (csrc/attn_split.h), written again: waves of
-    `target` items times (the longest item + 1 tile), 1/50 more when anything splits; None past
-    the 2 x target partial slots. Entries without units take no part."""
+    """verify_attention's split-KV cost model (csrc/attn_split.h), written again, in eighths of a
+    tile time: max(HBM: 8 W / target, a block's own stream: 2 x waves x longest item) + 8 per wave
+    + the merge, one per split of the most-split unit; None past the 2 x target partial slots or
+    128 splits of a unit. Entries without units take no part."""
     units, tiles = zip(*[(u, t) for u, t in zip(units, tiles) if u > 0])
     S = [-(-t // chunk) if t > 0 else 1 for t in tiles]
     items = sum(u * s for u, s in zip(units, S))
     longest = max(-(-t // s) if t > 0 else 0 for t, s in zip(tiles, S))
     split = items > sum(units)
-    if split and items > 2 * target:
+    if split and (items > 2 * target or max(S) > 128):
         return None
-    work = -(-items // target) * (longest + 1)
-    return work * 50 + (work if split else 0)
+    waves = -(-items // target)
+    hbm = -(-8 * sum(u * t for u, t in zip(units, tiles)) // target)
+    return max(hbm, 2 * waves * longest) + 8 * waves + (max(S) if split else 0)
 
 
-def test_attention_splits_by_wave_efficiency():
+def test_attention_splits_by_cost_model():
     """The CUDA planner's split-KV chunk (its host twin): the model's optimum over every chunk
     when the longest unit is under 64k keys, never worse than filling the GPU once, no split once
-    the units fill it, entries without units (requests without query rows) ignored; 5 requests
-    x 8 KV heads over 4k keys on 264 blocks take one wave (the fill-once rule: 280 items, a
-    second wave of 16)."""
+    the units fill it, entries without units (requests without query rows) ignored. The merge is
+    priced: batch 1 over 4k keys (8 KV heads, 65 tiles) takes 9 splits, not the 33 that fill
+    264 blocks once; 5 requests take 2 (80 items still saturate HBM), in one wave where the
+    fill-once chunk needs two."""
     from dspark_rt import _C
     NO_SPLIT = 0x7fffffff
     rng = random.Random(oc.SEED)
@@ -640,9 +643,10 @@ def test_attention_splits_by_wave_efficiency():
         fill_once = _split_score(units, tiles, max(2, -(-work // target)), target)
         assert got is not None and got == min(x for x in scores if x is not None), (units, tiles, target)
         assert fill_once is None or got <= fill_once
+    assert -(-65 // _C.attn_split_chunk([8], [65], 264)) == 9
     chunk = _C.attn_split_chunk([8] * 5, [64] * 5, 264)
-    assert 1 < -(-64 // chunk) and -(-64 // chunk) * 40 <= 264, chunk  # split, one wave
-    assert _split_score([8] * 5, [64] * 5, 10, 264) > 1.8 * _split_score([8] * 5, [64] * 5, chunk, 264)
+    assert -(-64 // chunk) == 2, chunk  # split, one wave
+    assert _split_score([8] * 5, [64] * 5, 10, 264) > _split_score([8] * 5, [64] * 5, chunk, 264)
     assert _C.attn_split_chunk([8] * 5 + [0], [64] * 5 + [10 ** 5], 264) == chunk
     assert _C.attn_split_chunk([8] * 40, [64] * 40, 264) == NO_SPLIT
 

@@ -737,6 +737,111 @@ def test_verify_attention_plan_in_cuda_graph():
         assert all(torch.equal(o, want) for o in outs), shrink
 
 
+# The fused split merge (the last split of a unit to finish merges, found by an atomic ticket):
+# shapes whose plan splits, on every tile shape the kernel has: a tile's keys on 4 warps (<= 16
+# rows), on 2 (<= 32), on 1 (more), both head dims, several requests split differently (and one
+# not at all), a bidirectional block, a window, batch 1 up to 65k keys (41 splits of one unit).
+FUSED_MERGE_CASES = [
+    (AC((1,), (4096,), 32, 8, 128, 16, extra_pages=0), BF16),      # Qwen3-8B decode, 4 rows
+    (AC((8,), (4096,), 32, 8, 128, 16, extra_pages=0), BF16),      # its verify: 32 rows
+    (AC((8,), (32760,), 32, 8, 128, 16, extra_pages=0), BF16),     # batch 1, 32k
+    (AC((8,), (4096,), 32, 8, 128, 16, extra_pages=0), F16),
+    (AC((1,), (65000,), 8, 1, 128, 64, extra_pages=0), F16),       # one KV head: many splits
+    (AC((12,), (6000,), 16, 4, 64, 16), F16),                      # 48 rows, head_dim 64
+    (AC((5, 2, 9), (3000, 7000, 50), 8, 2, 64, 32), BF16),         # split 6 / 14 / not at all
+    (AC((20,), (5000,), 8, 8, 128, 16), BF16),                     # group 1, 20 rows
+    (AC((3,), (2000,), 6, 2, 128, 7, causal=False), BF16),         # drafter block, odd pages
+    (AC((8,), (20000,), 8, 2, 128, 16, window=4096), BF16),        # sliding layer
+    (AC((40,), (3000,), 4, 2, 128, 16), BF16),                     # tiles of 64 and 16 rows
+    (AC((1, 1), (70000, 3), 4, 1, 64, 16), BF16),                  # 44 splits beside none
+]
+
+
+def _split_plan(case, kw):
+    plan = ops.plan_verify_attention(kw["cu_q"], kw["kv_lens"], kw["block_tables"], kw["k_cache"],
+                                     h_q=case.h_q, causal=case.causal, window=case.window)
+    return plan, plan.work[case.R + 1: 2 * case.R + 1].tolist()
+
+
+@pytest.mark.parametrize("case,dtype", FUSED_MERGE_CASES, ids=lambda x: str(x))
+def test_verify_attention_fused_merge(case, dtype, monkeypatch):
+    """Split items merge inside the attention kernel: the result matches the reference (the
+    tolerance of test_verify_attention), the plan really splits, and planned and unplanned calls
+    agree bit for bit (the merge sums splits in index order, whichever finishes last)."""
+    monkeypatch.delenv("DSPARK_ATTN_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("DSPARK_EXACT", raising=False)
+    big = sum(case.ctx) * case.h_kv * case.head_dim > 2 ** 24
+    kw = oc.attention_inputs(case, DEV, dtype, gen_device=DEV if big else "cpu")
+    args, where = _attention_args(kw), oc.where(case)
+    opts = dict(causal=kw["causal"], scale=kw["scale"], window=case.window)
+    plan, split = _split_plan(case, kw)
+    assert max(split) > 1, (split, where)
+    got = ops.verify_attention(*args, **opts, backend="cuda")
+    ref = reference.verify_attention(*args, kw["causal"], kw["scale"], case.window)
+    assert not got.isnan().any(), where
+    vmax = float(kw["v_cache"].nan_to_num(0).abs().max())
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * EPS[dtype],
+                               atol=EPS[dtype] * vmax + 1e-5, msg=lambda m: f"{m}\n{where}")
+    assert torch.equal(ops.verify_attention(*args, **opts, plan=plan), got), where
+
+
+def _tickets(plan):
+    """The merge tickets: 2 x target int32 (one per split slot) past the plan's 2 x target split
+    slots of part_o (the rest of that slot is never written)."""
+    target = plan.part_o.shape[0] // 2
+    return plan.part_o[2 * target:].view(torch.int32).flatten()[:2 * target]
+
+
+@pytest.mark.parametrize("case,dtype", [FUSED_MERGE_CASES[1], FUSED_MERGE_CASES[6]], ids=lambda x: str(x))
+def test_verify_attention_merge_tickets_reset(case, dtype, monkeypatch):
+    """Every layer of a forward reuses the plan's tickets: the block that merges a unit sets its
+    ticket back to zero, so each call finds them as the plan left them (all zero) and leaves them
+    so; ten calls on one plan, with fresh q each time, each equal an unplanned call."""
+    monkeypatch.delenv("DSPARK_ATTN_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("DSPARK_EXACT", raising=False)
+    kw = oc.attention_inputs(case, DEV, dtype)
+    q, cu_q, kc, vc, bt, kv_lens = _attention_args(kw)
+    opts = dict(causal=kw["causal"], scale=kw["scale"])
+    plan, split = _split_plan(case, kw)
+    assert max(split) > 1 and not _tickets(plan).any()
+    for layer in range(10):
+        q.copy_(torch.randn_like(q))
+        got = ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, **opts, plan=plan)
+        assert not _tickets(plan).any(), layer
+        assert torch.equal(got, ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, **opts, backend="cuda")), layer
+
+
+def test_verify_attention_merge_in_graph_replays(monkeypatch):
+    """Layers captured in a CUDA graph with a plan made outside it (the tickets are not zeroed
+    again between replays): every replay, on new q values, equals an eager call."""
+    monkeypatch.delenv("DSPARK_ATTN_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("DSPARK_EXACT", raising=False)
+    case = AC((8,), (4096,), 32, 8, 128, 16, extra_pages=0)
+    kw = oc.attention_inputs(case, DEV, BF16)
+    q, cu_q, kc, vc, bt, kv_lens = _attention_args(kw)
+    plan, split = _split_plan(case, kw)
+    assert max(split) > 1
+
+    def layers():
+        return [ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, plan=plan) for _ in range(3)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layers()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layers()
+    for replay in range(4):
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        want = ops.verify_attention(q, cu_q, kc, vc, bt, kv_lens, backend="cuda")
+        assert all(torch.equal(o, want) for o in outs), replay
+    torch.cuda.synchronize()
+    assert not _tickets(plan).any()
+
+
 # ---- append_kv (its binding arrives with the lead's CPU twin) ----------------------------------
 @pytest.mark.skipif(not hasattr(getattr(ops, "_C", None), "append_kv"), reason="no append_kv binding yet")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
