@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "paper_model.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "paper_model.py"
 
 
 @pytest.fixture(scope="module")
