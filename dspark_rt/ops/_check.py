@@ -53,3 +53,20 @@ def int_range(op, name, t, lo, hi):
         mn, mx = int(t.min()), int(t.max())
         if mn < lo or mx >= hi:
             fail(op, f"{name} values must lie in [{lo}, {hi}), got range [{mn}, {mx}]")
+
+
+def temperatures(op, temperature, R, dev):
+    """[R] float32, finite and >= 0 (0: greedy). Values are checked on host tensors only (a check
+    on the device would synchronise), or under DSPARK_CHECK_OPS=1."""
+    t = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
+    h = values(t)
+    if h is not None and h.numel() and not bool((torch.isfinite(h) & (h >= 0)).all()):
+        fail(op, f"temperature values must be finite and >= 0, got {h.tolist()[:8]}")
+    return t
+
+
+def coupled_flags(op, coupled, R, dev):
+    """The optional per-request coupled flags [R] (bool or uint8; None: all false)."""
+    if coupled is None:
+        return None
+    return tensor(op, "coupled", coupled, dtypes=(torch.bool, torch.uint8), shape=(R,), device=dev)
