@@ -160,7 +160,10 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     out_dt = torch.float64 if fdt == torch.float64 else torch.float32
     tokens = torch.empty(R, gamma, dtype=torch.int64, device=dev)
     logprob, lse = torch.empty(R, gamma, dtype=out_dt, device=dev), torch.empty(R, gamma, dtype=out_dt, device=dev)
-    conf = torch.zeros(R, gamma, dtype=out_dt, device=dev)
+    # conf_logit without a confidence head is 0: the cpp kernel writes the zeros itself, the CUDA
+    # kernels write conf_logit only for a head (every row then), so that case alone is filled.
+    conf = (torch.zeros if be == "cuda" and conf_w is None else torch.empty)(
+        R, gamma, dtype=out_dt, device=dev)
     p = ext.MarkovSampleParams()
     p.R, p.gamma, p.V, p.rank, p.d = R, gamma, V, rank, d
     p.head, p.top_k = HEADS.index(head), top_k or 0

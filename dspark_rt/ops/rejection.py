@@ -101,8 +101,11 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     if be == "reference":
         return reference.rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits,
                                           draft_lse, temperature, seed, stream, round_, coupled)
-    num_acc = torch.zeros(R, dtype=torch.int32, device=dev)
-    out = torch.full((R, gamma + 1), -1, dtype=torch.int64, device=dev)
+    # No fills: both kernels write every element of all three for every request, -1 padding
+    # included (cpp: RequestImpl; cuda: DecideKernel's block 0, malformed rows too, then
+    # FinishKernel's residual token); an error raises before anything is returned.
+    num_acc = torch.empty(R, dtype=torch.int32, device=dev)
+    out = torch.empty(R, gamma + 1, dtype=torch.int64, device=dev)
     failed = torch.empty(R, dtype=torch.bool, device=dev)
     p = ext.RejectionSampleParams()
     p.R, p.gamma, p.V = R, gamma, V

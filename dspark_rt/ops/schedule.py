@@ -19,7 +19,7 @@ def prefix_topk(survival, K: int, *, backend=None):
     if be == "reference":
         return reference.prefix_topk(survival, K)
     R, gamma = survival.shape
-    lengths = torch.zeros(R, dtype=torch.int32, device=dev)
+    lengths = torch.empty(R, dtype=torch.int32, device=dev)  # both kernels write every entry
     p = ext.PrefixTopkParams()
     p.R, p.gamma, p.K = R, gamma, K
     p.survival, p.lengths = ptr(survival), ptr(lengths)
