@@ -3,11 +3,13 @@
 Each op checks its tensors once, by name (dtype, device, shape, contiguity, index ranges), picks
 a backend and hands raw pointers, sizes and the current stream to the extension. Backends:
 "reference" (reference.py, plain PyTorch, the ground truth), "cpp" (C++ CPU kernels) and "cuda";
-the default follows the tensors' device, DSPARK_BACKEND=reference forces the reference.
+the default follows the tensors' device, DSPARK_BACKEND=reference forces the reference. Every op
+also takes CuPy arrays and other DLPack / __cuda_array_interface__ arrays without a copy, and
+answers in the type of its leading tensor (arrays.py).
 
 One module per op family:
   door.py       which backends this build has, which one a call takes, the launch
-  _check.py     argument checks, by name
+  _check.py     argument checks, by name          arrays.py   foreign arrays in and out
   markov.py     markov_sample (the sequential drafting stage)
   rejection.py  rejection_sample (lossless acceptance)
   schedule.py   prefix_topk (the scheduler's top-K admission)

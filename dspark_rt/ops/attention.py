@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import door, exact, reference
+from . import arrays, door, exact, reference
 from .door import DTYPE_CODE, ext, ptr
-from ._check import fail, tensor, values
+from ._check import fail, foreign, tensor, values
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +87,8 @@ def plan_verify_attention(cu_q, kv_lens, block_tables, k_cache, *, h_q, causal=T
     cudaMalloc, so it can be captured in a CUDA graph. CPU: the metadata checks, done once."""
     op = "plan_verify_attention"
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        if foreign(k_cache):
+            return arrays.call(plan_verify_attention, locals())
         fail(op, "k_cache must be a [num_pages, page_size, h_kv, head_dim] tensor")
     dev, fdt = k_cache.device, k_cache.dtype
     be = door.pick(op, dev, backend, fdt, "k_cache", door.all_float_dtypes)
@@ -153,6 +155,8 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
     new one. window > 0: a sliding layer's window (see the reference)."""
     op = "verify_attention"
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        if foreign(q):
+            return arrays.call(verify_attention, locals())
         fail(op, "q must be a [N, h_q, head_dim] tensor")
     dev = q.device
     fdt = q.dtype
@@ -177,9 +181,7 @@ def verify_attention(q, cu_q, k_cache, v_cache, block_tables, kv_lens, *, causal
         if dev.type == "cpu" and cu_q.shape[0] > 1 and int(cu_q[-1]) > N:
             fail(op, f"cu_q must end at most at N={N}, got {int(cu_q[-1])}")
     if out is not None:
-        if isinstance(out, torch.Tensor) and not out.is_contiguous():
-            fail(op, "out must be contiguous (it is written in place)")
-        out = tensor(op, "out", out, dtype=fdt, shape=(N, h_q, hd), device=dev)
+        out = tensor(op, "out", out, dtype=fdt, shape=(N, h_q, hd), device=dev, written=True)
         if out.numel() and out.data_ptr() == q.data_ptr():
             fail(op, "out must not be q")
     R, max_pages = cu_q.shape[0] - 1, block_tables.shape[1]

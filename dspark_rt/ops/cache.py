@@ -1,9 +1,9 @@
 """append_kv: new tokens' K/V written into their paged-cache slots, in place, behind the door."""
 import torch
 
-from . import door, reference
+from . import arrays, door, reference
 from .door import DTYPE_CODE, ext, ptr
-from ._check import fail, int_range, tensor
+from ._check import fail, foreign, int_range, tensor
 
 
 def append_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None):
@@ -13,6 +13,8 @@ def append_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None):
     op = "append_kv"
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, torch.Tensor) or c.dim() != 4 or not c.is_contiguous():
+            if foreign(c):
+                return arrays.call(append_kv, locals())
             fail(op, f"{name} must be a contiguous [num_pages, page_size, h_kv, head_dim] tensor")
     dev, fdt = k_cache.device, k_cache.dtype
     be = door.pick(op, dev, backend, None)

@@ -5,9 +5,9 @@ import os
 
 import torch
 
-from . import door, reference
+from . import arrays, door, reference
 from .door import DTYPE_CODE, ext, ptr
-from ._check import fail, tensor
+from ._check import fail, foreign, tensor
 
 _HAS_CPP = "cpp" in door.AVAILABLE
 
@@ -35,6 +35,8 @@ def linear(x, w, *, out=None, backend=None):
                                  K, code, "cpp", 0)
             return res
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        if foreign(x):
+            return arrays.call(linear, locals())
         fail(op, "x must be a [..., K] tensor")
     dev, fdt = x.device, x.dtype
     be = door.pick(op, dev, backend, fdt, "x", door.all_float_dtypes)
@@ -44,9 +46,7 @@ def linear(x, w, *, out=None, backend=None):
         fail(op, f"x must have K={K} columns (w is {tuple(w.shape)}), got shape {tuple(x.shape)}")
     lead = tuple(x.shape[:-1])
     if out is not None:
-        if isinstance(out, torch.Tensor) and not out.is_contiguous():
-            fail(op, "out must be contiguous (it is written in place)")
-        out = tensor(op, "out", out, dtype=fdt, shape=(*lead, N), device=dev)
+        out = tensor(op, "out", out, dtype=fdt, shape=(*lead, N), device=dev, written=True)
     if be == "reference":
         res = reference.linear(x, w)
         return res if out is None else out.copy_(res)

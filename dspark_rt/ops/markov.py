@@ -6,9 +6,9 @@ One op/argument pair has no kernel: the rnn head on CUDA tensors runs the refere
 """
 import torch
 
-from . import door, reference
+from . import arrays, door, reference
 from .door import DTYPE_CODE, ext, ptr
-from ._check import coupled_flags, fail, int_range, temperatures, tensor
+from ._check import coupled_flags, fail, foreign, int_range, temperatures, tensor
 
 HEADS = reference.HEADS
 CUDA_SELECT_MAX_TOP_K = 256  # csrc/cuda/markov_select.cuh kSelectMaxTopK
@@ -55,9 +55,7 @@ def _markov_out(op, logits, out):
     out, checked: contiguous, logits' shape and device, no overlap with logits."""
     if out is None:
         return logits
-    if isinstance(out, torch.Tensor) and not out.is_contiguous():
-        fail(op, "out must be contiguous (z is written into it)")
-    out = tensor(op, "out", out, shape=tuple(logits.shape), device=logits.device)
+    out = tensor(op, "out", out, shape=tuple(logits.shape), device=logits.device, written=True)
     if out.data_ptr() == logits.data_ptr() and out.dtype == logits.dtype:
         return logits
     lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
@@ -65,7 +63,6 @@ def _markov_out(op, logits, out):
     if lo < uhi and ulo < hi:
         fail(op, "out must not overlap logits (pass out=logits, or None, to work in place)")
     return out
-
 
 
 def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None, gate_b=None,
@@ -94,6 +91,8 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     if head not in HEADS:
         fail(op, f"head must be one of {HEADS}, got {head!r}")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        if foreign(logits):
+            return arrays.call(markov_sample, locals())
         fail(op, f"logits must be a [R, gamma, V] tensor, got "
                  f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
     R, gamma, V = logits.shape

@@ -2,9 +2,9 @@
 and which backend takes which (target, draft) dtype pair."""
 import torch
 
-from . import door, reference
+from . import arrays, door, reference
 from .door import DTYPE_CODE, ext, ptr
-from ._check import coupled_flags, fail, int_range, temperatures, tensor, values
+from ._check import coupled_flags, fail, foreign, int_range, temperatures, tensor, values
 
 
 # rejection_sample's target logits may be 16-bit under float32 draft logits (a 16-bit model's
@@ -61,6 +61,8 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     """
     op = "rejection_sample"
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
+        if foreign(target_logits):
+            return arrays.call(rejection_sample, locals())
         fail(op, "target_logits must be a [N, V] tensor")
     dev = target_logits.device
     fdt = target_logits.dtype

@@ -2,13 +2,15 @@
 scheduler's admission) behind the door."""
 import torch
 
-from . import door, reference
+from . import arrays, door, reference
 from .door import ext, ptr
-from ._check import fail, tensor
+from ._check import fail, foreign, tensor
 
 
 def prefix_topk(survival, K: int, *, backend=None):
     """Verify lengths of the top-K candidates; see reference.prefix_topk. Returns [R] int32."""
+    if foreign(survival):
+        return arrays.call(prefix_topk, locals())
     op = "prefix_topk"
     survival = tensor(op, "survival", survival, dtype=torch.float32, ndim=2)
     if isinstance(K, bool) or not isinstance(K, int) or K < 0:
