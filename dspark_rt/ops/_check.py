@@ -16,10 +16,33 @@ def fail(op: str, msg: str):
     raise OpError(f"{op}: {msg}")
 
 
-def tensor(op, name, t, *, dtype=None, dtypes=None, shape=None, ndim=None, device=None):
-    """Checks a tensor argument and returns it contiguous."""
+def foreign(a) -> bool:
+    """Whether a is another library's array the door views without a copy (ops/arrays.py)."""
+    return not isinstance(a, torch.Tensor) and (hasattr(a, "__dlpack__") or
+                                                hasattr(a, "__cuda_array_interface__"))
+
+
+def view(op, name, a):
+    """The torch view of argument `name`, a foreign array (the caller's memory, no copy), or an
+    OpError naming it: not an array at all, or one its library will not export."""
+    if not foreign(a):
+        fail(op, f"{name} must be a torch.Tensor (or an array with __dlpack__ or "
+                 f"__cuda_array_interface__), got {type(a).__name__}")
+    try:
+        return torch.from_dlpack(a) if hasattr(a, "__dlpack__") else torch.as_tensor(a)
+    except Exception as e:  # the library's own refusal: a dtype DLPack lacks, a read-only array...
+        fail(op, f"{name} ({type(a).__module__}.{type(a).__name__}) cannot be viewed as a "
+                 f"tensor without a copy: {type(e).__name__}: {e}")
+
+
+def tensor(op, name, t, *, dtype=None, dtypes=None, shape=None, ndim=None, device=None,
+           written=False):
+    """Checks a tensor argument (a foreign array is viewed first) and returns it contiguous; one
+    the op writes (written=True) must be contiguous already, since a copy would take the write."""
     if not isinstance(t, torch.Tensor):
-        fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        t = view(op, name, t)
+    if written and not t.is_contiguous():
+        fail(op, f"{name} must be contiguous (it is written in place)")
     if dtype is not None and t.dtype != dtype:
         fail(op, f"{name} must be {dtype}, got {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -53,3 +76,20 @@ def int_range(op, name, t, lo, hi):
         mn, mx = int(t.min()), int(t.max())
         if mn < lo or mx >= hi:
             fail(op, f"{name} values must lie in [{lo}, {hi}), got range [{mn}, {mx}]")
+
+
+def temperatures(op, temperature, R, dev):
+    """[R] float32, finite and >= 0 (0: greedy). Values are checked on host tensors only (a check
+    on the device would synchronise), or under DSPARK_CHECK_OPS=1."""
+    t = tensor(op, "temperature", temperature, dtype=torch.float32, shape=(R,), device=dev)
+    h = values(t)
+    if h is not None and h.numel() and not bool((torch.isfinite(h) & (h >= 0)).all()):
+        fail(op, f"temperature values must be finite and >= 0, got {h.tolist()[:8]}")
+    return t
+
+
+def coupled_flags(op, coupled, R, dev):
+    """The optional per-request coupled flags [R] (bool or uint8; None: all false)."""
+    if coupled is None:
+        return None
+    return tensor(op, "coupled", coupled, dtypes=(torch.bool, torch.uint8), shape=(R,), device=dev)

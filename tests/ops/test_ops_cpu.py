@@ -539,7 +539,7 @@ def test_verify_attention_bad_pages():
         keep = torch.ones(got.shape[0], dtype=torch.bool)
         keep[rows] = False
         assert torch.equal(got[keep], good[keep]), bad_page
-        p = ops._attention_params(case.R, case.h_q, kw["k_cache"], torch.float32, True)
+        p = ops.attention._attention_params(case.R, case.h_q, kw["k_cache"], torch.float32, True)
         p.max_pages, p.scale = bt.shape[1], kw["scale"]
         out = torch.empty_like(kw["q"])
         p.q, p.cu_q, p.k_cache, p.v_cache = (t.data_ptr() for t in (kw["q"], cu, kw["k_cache"], kw["v_cache"]))
@@ -710,15 +710,15 @@ def test_bad_weight_dtypes_markov():
 
 
 def test_markov_backend_takes_the_dtype_pair(monkeypatch):
-    monkeypatch.setattr(ops, "available_backends", lambda: ["reference", "cpp", "cuda"])
+    monkeypatch.setattr(ops.door, "available_backends", lambda: ["reference", "cpp", "cuda"])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    assert ops._markov_backend(cpu, None, f32, "vanilla", bf16) == "cpp"
-    assert ops._markov_backend(cpu, None, f32, "vanilla", f16) == "reference"
-    assert ops._markov_backend(cpu, None, torch.float64, "vanilla", bf16) == "reference"
+    assert ops.markov._markov_backend(cpu, None, f32, "vanilla", bf16) == "cpp"
+    assert ops.markov._markov_backend(cpu, None, f32, "vanilla", f16) == "reference"
+    assert ops.markov._markov_backend(cpu, None, torch.float64, "vanilla", bf16) == "reference"
     for wdt in (f32, bf16, f16):
-        assert ops._markov_backend(cuda, None, f32, "gated", wdt) == "cuda"
-    assert ops._markov_backend(cuda, None, bf16, "gated", bf16) == "cuda"
+        assert ops.markov._markov_backend(cuda, None, f32, "gated", wdt) == "cuda"
+    assert ops.markov._markov_backend(cuda, None, bf16, "gated", bf16) == "cuda"
 
 
 def test_bad_inputs_coupled():
@@ -746,14 +746,14 @@ def test_rejection_coupled_plain_step():
 
 def test_rnn_on_cuda_routes_to_reference(monkeypatch):
     """The backend choice alone (no GPU needed): pretend this build has the CUDA kernels."""
-    monkeypatch.setattr(ops, "available_backends", lambda: ["reference", "cpp", "cuda"])
+    monkeypatch.setattr(ops.door, "available_backends", lambda: ["reference", "cpp", "cuda"])
     cuda, cpu, f32 = torch.device("cuda"), torch.device("cpu"), torch.float32
-    assert ops._markov_backend(cuda, None, f32, "rnn") == "reference"
-    assert ops._markov_backend(cuda, None, torch.bfloat16, "rnn") == "reference"
+    assert ops.markov._markov_backend(cuda, None, f32, "rnn") == "reference"
+    assert ops.markov._markov_backend(cuda, None, torch.bfloat16, "rnn") == "reference"
     for head in ("none", "vanilla", "gated"):
-        assert ops._markov_backend(cuda, None, f32, head) == "cuda"
-    assert ops._markov_backend(cuda, "cuda", f32, "rnn") == "cuda"  # explicit: the kernel refuses
-    assert ops._markov_backend(cpu, None, f32, "rnn") == "cpp"
+        assert ops.markov._markov_backend(cuda, None, f32, head) == "cuda"
+    assert ops.markov._markov_backend(cuda, "cuda", f32, "rnn") == "cuda"  # explicit: the kernel refuses
+    assert ops.markov._markov_backend(cpu, None, f32, "rnn") == "cpp"
 
 
 def test_rnn_decode_on_cpp(tiny_target, tiny_drafters, monkeypatch):
@@ -761,9 +761,9 @@ def test_rnn_decode_on_cpp(tiny_target, tiny_drafters, monkeypatch):
     (float64, as in test_greedy_equality.py)."""
     from dspark_rt import Decoder, SamplingParams
     calls = []
-    real = ops._run
-    monkeypatch.setattr(ops, "_run", lambda name, p, be, dev: (calls.append((name, be)),
-                                                              real(name, p, be, dev)))
+    real = ops.door.run
+    monkeypatch.setattr(ops.door, "run", lambda name, p, be, dev: (calls.append((name, be)),
+                                                                  real(name, p, be, dev)))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7], [3, 17, 42]]
     spec = Decoder.from_pretrained(tiny_target, tiny_drafters("rnn", 4), mode="dspark",

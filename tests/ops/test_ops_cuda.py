@@ -868,6 +868,45 @@ def test_append_kv(dtype, h_kv, hd):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
+# ---- CuPy arrays through the door (ops/arrays.py; tests/test_ops_arrays.py: the CPU stand-in) -----
+class _InterfaceOnly:
+    """A device array that offers only __cuda_array_interface__ (as Numba's do)."""
+
+    def __init__(self, a):
+        self.__cuda_array_interface__ = a.__cuda_array_interface__
+        self.a = a  # keeps the memory alive
+
+
+def test_cupy_arrays_in_and_out():
+    """CuPy arrays allocated by CuPy, used on a CuPy stream of their own: the same results as
+    torch tensors, in CuPy's type, z written into the caller's logits; torch arguments mix in;
+    an __cuda_array_interface__-only array gets torch tensors back."""
+    cp = pytest.importorskip("cupy")
+    import numpy as np
+    kw = oc.markov_inputs(MC(3, 4, 4100, "gated", rank=32, d=24, conf="markov", coupled="mixed"), DEV, F32)
+    rest = [k for k in kw if k not in ("logits", "hidden", "anchor", "head")]
+    want_z = kw["logits"].clone()
+    want = ops.markov_sample(want_z, kw["hidden"], kw["anchor"], kw["head"], **{k: kw[k] for k in rest})
+    rj = oc.rejection_inputs(oc.RejectionCase(6, 5, 9000, "random", "mixed", coupled="mixed"), DEV, F32)
+    names = ("target_logits", "cu_rows", "draft_tokens", "draft_logits", "draft_lse")
+    want_rj = ops.rejection_sample(*[rj[k] for k in names], **{k: v for k, v in rj.items() if k not in names})
+    survival = torch.rand(40, 7, device=DEV)
+    with cp.cuda.Stream(non_blocking=True) as s:
+        f = {k: cp.asarray(v.cpu().numpy()) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        logits = f["logits"]
+        got = ops.markov_sample(logits, f["hidden"], f["anchor"], f["head"], **{k: f[k] for k in rest})
+        target = cp.asarray(rj["target_logits"].cpu().numpy())
+        got_rj = ops.rejection_sample(target, *[rj[k] for k in names[1:]],
+                                      **{k: v for k, v in rj.items() if k not in names})
+        cai = _InterfaceOnly(cp.asarray(survival.cpu().numpy()))
+        s.synchronize()  # the interface carries no stream exchange: the caller orders its own
+        got_cai = ops.prefix_topk(cai, 100)
+    assert all(isinstance(g, cp.ndarray) for g in (*got, *got_rj))
+    for g, t in zip((*got, logits, *got_rj), (*want, want_z, *want_rj)):
+        np.testing.assert_array_equal(cp.asnumpy(g), t.cpu().numpy())  # same kernel, same bits
+    assert isinstance(got_cai, torch.Tensor) and torch.equal(got_cai, ops.prefix_topk(survival, 100))
+
+
 # ---- compute-sanitizer ------------------------------------------------------------------------
 _SANITIZE_SCRIPT = textwrap.dedent("""
     import torch

@@ -163,7 +163,7 @@ def test_sanitizer_driver_runs_every_op_without_torch():
     kernels, in a process that must not import torch (the reason it exists), with the dtype
     and head codes of the ops door."""
     drv = _bench("sanitize_ops")
-    assert drv.HEADS == ops.HEADS and drv.DTYPE_CODE == {str(k)[6:]: v for k, v in ops._DTYPE_CODE.items()}
+    assert drv.HEADS == ops.HEADS and drv.DTYPE_CODE == {str(k)[6:]: v for k, v in ops.door.DTYPE_CODE.items()}
     code = ("import runpy, sys; sys.argv = ['sanitize_ops.py', '--device', 'cpu']; "
             f"runpy.run_path({str(SCRIPT.parent / 'sanitize_ops.py')!r}, run_name='__main__'); "
             "assert 'torch' not in sys.modules, 'the driver imported torch'")
