@@ -12,7 +12,7 @@ import torch
 from ._check import fail
 
 try:
-    from .. import _C as ext  # type: ignore[attr-defined]
+    import dspark_rt._C as ext  # the extension module (a shared library beside the package)
 except ImportError:  # the package can be imported (and tested) without the extension
     ext = None
 
