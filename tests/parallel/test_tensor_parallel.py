@@ -187,3 +187,26 @@ def test_dflash2_drafter(tiny_target, tmp_path_factory):
             [(o.token_ids, o.metrics.num_rounds) for o in ref]
         if params is GREEDY:
             assert sum(o.metrics.num_accepted_tokens for o in ref) > 20
+
+
+@pytest.mark.parametrize("policy", ["sync", "auto"])
+def test_workers_get_the_decision_never_the_policy(pair, policy):
+    """A round command carries the SeqBatch and the policy's Decision; the policy object and the
+    round state stay with the leader (its lengths reach the workers as one broadcast)."""
+    import pickle
+
+    from dspark_rt.policies import Decision, VerifyPolicy
+    from dspark_rt.runner.state import RoundState
+    dec = parallel("vanilla", pair, "dspark", policy)
+    sent, send = [], dec.tensor_parallel.group.send
+    dec.tensor_parallel.group.send = lambda cmd: sent.append(cmd) or send(cmd)
+    try:
+        outs = dec.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    finally:
+        dec.tensor_parallel.group.send = send
+    rounds = [c for c in sent if c[0] == "round"]
+    assert rounds and all(o.token_ids for o in outs)
+    for cmd in rounds:
+        assert any(isinstance(a, Decision) for a in cmd)
+        assert not any(isinstance(a, (VerifyPolicy, RoundState)) for a in cmd), cmd
+        assert b"AutoPolicy" not in pickle.dumps(cmd) and b"SyncScheduler" not in pickle.dumps(cmd)
