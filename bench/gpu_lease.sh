@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, in ONE call of at most 9 minutes on a fresh machine: pre-flight,
-# in-place build for this device's architecture, GPU tests, every kernel benchmark at its goal
-# shapes (verify_attention first), a trimmed end-to-end run, compute-sanitizer on a torch-free
-# driver. One archive comes back. The summary's FIRST line says whether the CUDA kernels ran.
+# in-place build for this device's architecture, the CUDA tests of the newest kernel paths and
+# compute-sanitizer on their atomic tickets (early and cheap), the other GPU tests, every kernel
+# benchmark at its goal shapes (verify_attention first), a trimmed end-to-end run, and
+# compute-sanitizer on every op (torch-free driver). One archive comes back. The summary's FIRST
+# line says whether the CUDA kernels ran.
 #
 #   OUT=/some/dir bash bench/gpu_lease.sh [--dry-run] [--skip STEP,...] [--budget SECONDS] [--flex]
 #
@@ -11,8 +13,9 @@
 #              are only collected, the kernel driver runs --device cpu --quick, the end-to-end
 #              run uses the shipped pair for 4 tokens, the sanitizer driver runs on the CPU
 #              kernels (no compute-sanitizer); the archive is written.
-#   --skip     steps to leave out: build tests_ops tests_graphs kernels e2e sanitizer (the
-#              pre-flight always runs: it picks the mode and the architecture). A rerun on the
+#   --skip     steps to leave out: build tests_first tests_ops tests_graphs kernels e2e sanitizer
+#              (sanitizer: both sanitizer passes; the pre-flight always runs: it picks the mode
+#              and the architecture). A rerun on the
 #              still-warm machine skips build (its in-place .so is still there): the summary
 #              ends with that command, ready to paste.
 #   --budget   seconds of command time for the whole script (default 540)
@@ -34,31 +37,40 @@
 # Time budget (command time; the lease gives 15 min of device time per session, machine start of
 # 2-4 min included, 10 min per command, 8 files back). Expected seconds are estimates for a
 # fresh H200 machine (no GPU has run these yet: replace them with the first measured run);
-# caps are each step's timeout, cut to what the budget has left. Caps up to e2e sum to
-# 30+100+110+50+100+80 = 470 s, + 15 s reserved for the summary = 485 s, so every step up to
-# e2e gets its full cap within 540 s even if each one hits it; the sanitizer steps get what is
-# left (>= 55 s then) up to their own caps (30+60+60). Expected total ~335 s: with a 2-4 min start
-# and the transfers ~10 of 15 lease minutes, leaving a rerun of one failed step on the warm
-# machine (printed at the end; start it within ~30 s).
+# caps are each step's timeout, cut to what the budget has left. Caps up to kernels sum to
+# 30+100+40+20+2x25+110+50+100 = 500 s, + 15 s reserved for the summary = 515 s, so every step
+# up to kernels gets its full cap within 540 s even if each one hits it; e2e gets what is left
+# (>= 25 s then) up to its cap, the sanitizer on every op the rest (a step cut for budget is
+# "skipped (budget spent)" and goes into the printed rerun). Expected total ~410 s: with a 2-4
+# min start and the transfers ~11 of 15 lease minutes, leaving a rerun of one failed step on the
+# warm machine (printed at the end; start it within ~30 s).
 #
-#   step          expected  cap   why
-#   preflight        10      30   python + torch import, NVML, nvcc --version, cmake/ninja on PATH
-#   build            45     100   cmake configure + 6 .cu (markov_sample.cu alone: 15-18 s of
-#                                 one loaded core for sm_90a here) in parallel on 16 cores, one arch
-#   tests_ops        65     110   pytest -m gpu tests/ops/test_ops_cuda.py (not the sanitizer):
-#                                 ~390 cases, a few at 32k context / 32k vocabulary
-#   tests_graphs     30      50   pytest -m gpu test_graphs.py test_lossless.py
-#   kernels          60     100   bench/bench_kernels.py: verify_attention first, then markov,
-#                                 rejection, prefix_topk; 26 goal shapes, one process; the eager
-#                                 reference (3-4 s a shape) at each op's smallest shape only;
-#                                 no FlexAttention unless --flex (+~40 s); JSON per row
-#   e2e              70      80   bench_e2e.py qwen3-8b, accept 0.8, batch 1 32, 16 tokens,
-#                                 ar / dspark fixed / dspark async (JSON kept per row)
-#   sanitizer        50     150   probe (nvcc + a 1-kernel program, cap 30), then
-#                                 bench/sanitize_ops.py (no torch: cupy buffers, every op at
-#                                 small shapes) under memcheck (cap 60) and racecheck (cap 60)
-#   summary           5      15   reserved
-#   total          ~335     540   60 s under the 10-minute command limit (call with timeout_s 600)
+#   step               expected cap  why
+#   preflight             10     30  python + torch import, NVML, nvcc --version, cmake/ninja on PATH
+#   build                 45    100  cmake configure + 6 .cu (markov_sample.cu alone: 15-18 s of
+#                                    one loaded core for sm_90a here) in parallel on 16 cores, one arch
+#   tests_first           25     40  pytest -m gpu: test_ops_cuda.py's fused split merge, its
+#                                    tickets, plan splits, the rejection residual, CuPy arrays;
+#                                    test_ops_outputs.py and test_nonfinite_drafts.py (cuda
+#                                    variants): ~100 cases, small shapes
+#   sanitizer_probe        8     20  nvcc + a 1-kernel program under compute-sanitizer
+#   sanitizer_tickets     20  2x25  bench/sanitize_ops.py --cases tickets (no torch: cupy
+#                                    buffers): the split-KV merge and the residual merge, where
+#                                    blocks meet through an atomic ticket, under memcheck and
+#                                    racecheck (cap 25 each)
+#   tests_ops             80    110  pytest -m gpu tests/ops/test_ops_cuda.py, the rest (not the
+#                                    sanitizer): ~490 cases, a few at 32k context / 32k vocabulary
+#   tests_graphs          30     50  pytest -m gpu tests/runner/test_graphs.py tests/e2e/test_lossless.py
+#   kernels               60    100  bench/bench_kernels.py: verify_attention first, then markov,
+#                                    rejection, prefix_topk; 26 goal shapes, one process; the eager
+#                                    reference (3-4 s a shape) at each op's smallest shape only;
+#                                    no FlexAttention unless --flex (+~40 s); JSON per row
+#   e2e                   70     80  bench_e2e.py qwen3-8b, accept 0.8, batch 1 32, 16 tokens,
+#                                    ar / dspark fixed / dspark async (JSON kept per row)
+#   sanitizer             50    120  bench/sanitize_ops.py, every op at small shapes, under
+#                                    memcheck (cap 60) and racecheck (cap 60)
+#   summary                5     15  reserved
+#   total               ~410    540  60 s under the 10-minute command limit (call with timeout_s 600)
 set -uo pipefail
 
 BUDGET=540
@@ -75,7 +87,7 @@ while (($#)); do
     --budget) BUDGET=$2; ARGS+=(--budget "$2"); shift ;;
     --budget=*) BUDGET=${1#--budget=}; ARGS+=(--budget "$BUDGET") ;;
     --flex) FLEX=one; ARGS+=(--flex) ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_lease.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
   esac
   shift
@@ -246,7 +258,9 @@ fi
 archive
 
 if ((STOP)); then
-  for s in build tests_ops tests_graphs kernels e2e sanitizer; do skip_step $s "pre-flight failed"; done
+  for s in build tests_first sanitizer_tickets tests_ops tests_graphs kernels e2e sanitizer; do
+    skip_step $s "pre-flight failed"
+  done
 else
   # ---- build in place, this device's architecture only (tests import the fresh .so) -------
   if [[ ${DSPARK_LEASE_FAIL_BUILD:-0} == 1 ]]; then
@@ -264,16 +278,66 @@ else
     # the reference ops): stop here, every later step marked.
     echo "BUILD $BUILD_STATUS: every later step is skipped (see build.log)" | tee -a "$WORK/build.log"
     STOP=1
-    for s in tests_ops tests_graphs kernels e2e sanitizer; do skip_step $s "build failed"; done
+    for s in tests_first sanitizer_tickets tests_ops tests_graphs kernels e2e sanitizer; do skip_step $s "build failed"; done
   fi
 fi
+# ---- compute-sanitizer on the torch-free driver ---------------------------------------------------
+# The ops run from bench/sanitize_ops.py, which imports neither torch nor dspark_rt (torch's
+# thousands of kernels make a sanitized process take minutes to start): cupy buffers, _C
+# loaded from its file. CPU mode runs the same driver on the C++ kernels, unsanitized.
+SANITIZE=("$PY" bench/sanitize_ops.py)
+SAN_OK=""  # GPU mode: "yes" once the probe passed, else why the sanitizer steps are skipped
+sanitizer_probe() {
+  if ! command -v compute-sanitizer >/dev/null 2>&1; then SAN_OK="compute-sanitizer not found"; return; fi
+  local probe=$WORK/sanitizer_probe
+  cat >"$probe.cu" <<'CU'
+#include <cstdio>
+__global__ void Touch(int* p) { p[threadIdx.x] = threadIdx.x; }
+int main() {
+  int* p = nullptr;
+  if (cudaMalloc(&p, 32 * sizeof(int)) != cudaSuccess) return 2;
+  Touch<<<1, 32>>>(p);
+  cudaError_t e = cudaDeviceSynchronize();
+  std::printf("probe: %s\n", cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 3;
+}
+CU
+  run_step sanitizer_probe 20 bash -c "nvcc -arch=sm_${ARCH} -o '$probe' '$probe.cu' && compute-sanitizer --error-exitcode=5 '$probe'"
+  case $(tail -1 "$STEPS" | cut -f2) in
+    ok) SAN_OK=yes ;;
+    "skipped (budget spent)") SAN_OK="budget spent" ;;
+    *) SAN_OK="the device refuses compute-sanitizer: $(grep -m1 -iE 'not supported|error' "$WORK/sanitizer_probe.log" | cut -c1-80)" ;;
+  esac
+}
+# sanitize NAME CASES CAP: the driver's CASES under memcheck, then racecheck (NAME_memcheck,
+# NAME_racecheck; CPU mode: NAME_cpu, once, unsanitized)
+sanitize() {
+  local name=$1 cases=$2 cap=$3
+  if [[ $SKIP == *",sanitizer,"* ]]; then skip_step "$name" "--skip"; return 0; fi
+  if [[ $MODE == cpu ]]; then run_step "${name}_cpu" "$cap" "${SANITIZE[@]}" --device cpu --cases "$cases"; return 0; fi
+  [[ -n $SAN_OK ]] || sanitizer_probe
+  if [[ $SAN_OK != yes ]]; then skip_step "$name" "$SAN_OK"; return 0; fi
+  for tool in memcheck racecheck; do
+    run_step "${name}_$tool" "$cap" compute-sanitizer --tool=$tool --error-exitcode=3 "${SANITIZE[@]}" --device cuda \
+      --cases "$cases"
+  done
+}
+
 if ((!STOP)); then
   # ---- tests (GPU: run; CPU: collected only, so a wrong path or marker shows here) --------
   PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -v -rfE)
-  ((DRY)) && PYTEST+=(--collect-only -q)
+  ((DRY)) && PYTEST+=(--collect-only -qq)  # with -v: one node id a line
   junit() { ((DRY)) || echo "$WORK/$1.xml"; }  # GPU mode: a run that passed nothing has failed
-  JUNIT=$(junit tests_ops) run_step tests_ops 110 "${PYTEST[@]}" tests/ops/test_ops_cuda.py -k "not sanitizer" \
-    --junitxml="$WORK/tests_ops.xml"
+  # The newest kernel paths first (the fused split merge and its tickets, the planner's splits,
+  # the rejection residual, CuPy arrays, every output written), then their atomic tickets under
+  # the sanitizer, then the rest of the op tests.
+  FIRST="fused_merge or merge_tickets or merge_in_graph or plan_splits or cold_residual or cupy"
+  JUNIT=$(junit tests_first) run_step tests_first 40 "${PYTEST[@]}" tests/ops/test_ops_outputs.py \
+    tests/ops/test_nonfinite_drafts.py tests/ops/test_ops_cuda.py -k "not test_ops_cuda or ($FIRST)" \
+    --junitxml="$WORK/tests_first.xml"
+  sanitize sanitizer_tickets tickets 25
+  JUNIT=$(junit tests_ops) run_step tests_ops 110 "${PYTEST[@]}" tests/ops/test_ops_cuda.py \
+    -k "not sanitizer and not ($FIRST)" --junitxml="$WORK/tests_ops.xml"
   JUNIT=$(junit tests_graphs) run_step tests_graphs 50 "${PYTEST[@]}" tests/runner/test_graphs.py \
     tests/e2e/test_lossless.py --junitxml="$WORK/tests_graphs.xml"
 
@@ -296,37 +360,8 @@ if ((!STOP)); then
       --modes ar/fixed dspark/fixed --json "$WORK/e2e.json" --plot "$WORK/e2e.png"
   fi
 
-  # ---- compute-sanitizer, last, in the time left ---------------------------------------------
-  # The ops run from bench/sanitize_ops.py, which imports neither torch nor dspark_rt (torch's
-  # thousands of kernels make a sanitized process take minutes to start): cupy buffers, _C
-  # loaded from its file. CPU mode runs the same driver on the C++ kernels, unsanitized.
-  SANITIZE=("$PY" bench/sanitize_ops.py)
-  if [[ $SKIP == *",sanitizer,"* ]]; then skip_step sanitizer "--skip"
-  elif [[ $MODE == cpu ]]; then run_step sanitizer_cpu 60 "${SANITIZE[@]}" --device cpu
-  elif ! command -v compute-sanitizer >/dev/null 2>&1; then skip_step sanitizer "compute-sanitizer not found"
-  else
-    probe=$WORK/sanitizer_probe
-    cat >"$probe.cu" <<'CU'
-#include <cstdio>
-__global__ void Touch(int* p) { p[threadIdx.x] = threadIdx.x; }
-int main() {
-  int* p = nullptr;
-  if (cudaMalloc(&p, 32 * sizeof(int)) != cudaSuccess) return 2;
-  Touch<<<1, 32>>>(p);
-  cudaError_t e = cudaDeviceSynchronize();
-  std::printf("probe: %s\n", cudaGetErrorString(e));
-  return e == cudaSuccess ? 0 : 3;
-}
-CU
-    run_step sanitizer_probe 30 bash -c "nvcc -arch=sm_${ARCH} -o '$probe' '$probe.cu' && compute-sanitizer --error-exitcode=5 '$probe'"
-    if tail -1 "$STEPS" | grep -q $'\tok\t'; then
-      for tool in memcheck racecheck; do
-        run_step sanitizer_$tool 60 compute-sanitizer --tool=$tool --error-exitcode=3 "${SANITIZE[@]}" --device cuda
-      done
-    else
-      skip_step sanitizer "the device refuses compute-sanitizer: $(grep -m1 -iE 'not supported|error' "$WORK/sanitizer_probe.log" | cut -c1-80)"
-    fi
-  fi
+  # ---- compute-sanitizer on every op, last, in the time left ----------------------------------
+  sanitize sanitizer all 60
 fi
 
 # ---- summary (one screen) and the archive ------------------------------------------------------
@@ -343,7 +378,7 @@ for line in open(os.path.join(work, "steps.tsv")):
     name, *status, secs, limit = line.rstrip("\n").split("\t")
     status = " ".join(status)
     s["steps"].append({"step": name, "status": status, "seconds": int(secs), "limit": int(limit)})
-for name in ("tests_ops", "tests_graphs"):
+for name in ("tests_first", "tests_ops", "tests_graphs"):
     xml, log = os.path.join(work, name + ".xml"), os.path.join(work, name + ".log")
     c = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
     if os.path.exists(xml) and mode == "gpu":
@@ -415,7 +450,7 @@ def verdict():
 
 def rerun():
     """The command that reruns what did not finish, reusing the in-place build of this machine."""
-    steps = ["build", "tests_ops", "tests_graphs", "kernels", "e2e", "sanitizer"]
+    steps = ["build", "tests_first", "tests_ops", "tests_graphs", "kernels", "e2e", "sanitizer"]
     again = set()
     for x in s["steps"]:
         name = "sanitizer" if x["step"].startswith("sanitizer") else x["step"]

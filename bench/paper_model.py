@@ -23,11 +23,10 @@ markov_sample: the served bf16 head (bf16 W2 [V, r], bf16 U in, float32 z out), 
   Philox work); W2 from HBM every step (77.8 MB > the 50 MB L2).
 rejection_sample: float32 target logits, every request verifying gamma drafts of which it accepts
   ACCEPTED (then one rejection), T > 0; floor: bench_rejection_sample.must_move.
-verify_attention: Qwen3-8B (32 query / 8 KV heads, head_dim 128, bf16), 8 queries a request; the
-  split the planner picks (_C.attn_split_chunk, else its Python twin); the split merge priced as
-  the desk review found it (8 x S dependent L2 loads a thread). Its redesign (the merge fused
-  into the attention kernel) belongs to another change: ATTENTION_AFTER is where its estimate
-  goes; until then "after" is today's design.
+verify_attention: Qwen3-8B (32 query / 8 KV heads, head_dim 128, bf16, page size 16), 8 queries a
+  request; each design with its own planner's split (the planners written again here; the test
+  holds the new one to _C.attn_split_chunk); a wave's items start and end together, so each wave
+  pays its serial start and its last tile's mma in full (an upper bound where waves stagger).
 """
 import argparse
 import json
@@ -132,54 +131,116 @@ def rejection(R, which, gamma=7, V=151936, a=ACCEPTED, tb=4):
 
 
 # ---- verify_attention -----------------------------------------------------------------------------
-ATTENTION_AFTER = None  # cuda-attn's redesign (fused merge): fn(R, ctx) -> seconds; None = today
+# A unit is one (request, KV head, 64-row query tile); the planner cuts its KV tiles into S splits.
+# before: the wave-efficiency planner (_chunk_before), one warp per 16 rows on all 64 keys of a
+# tile (2 of 4 warps busy at 32 rows), each item scanning its request's block table, a merge
+# kernel launched whether or not anything split. after: csrc/attn_split.h's planner
+# (_chunk_python), 2 or 4 warps sharing a tile's keys, the bad-page check in the plan kernel, the
+# last split merging the unit (atomic ticket, attn_merge.cuh), no merge launch. Assumptions (the
+# kernel header's): mma.sync m16n8k16 issues once per MMA_CLK clocks on an SM sub-partition,
+# warp w on sub-partition w % 4; a block streams at most 4 K + V tiles per tile time (the time in
+# which every co-resident block streams one); one SM reads L2 at 64 B a clock.
+MMA_CLK = 8
+L2_SM = 64 * CLOCK  # bytes / s
+MIN_SPLIT, CANDIDATES, MAX_SPLITS = 2, 1024, 128  # attn_split.h kMinSplitTiles, ...
 
 
-def _chunk_python(units, tiles, target):
+def _chunk_before(units, tiles, target):
+    """The planner the redesign replaced: waves x (longest item + 1) x 50, + the same if split."""
     def score(c):
         S = [-(-t // c) for t in tiles]
         items = sum(u * s for u, s in zip(units, S))
-        longest = max(-(-t // s) for t, s in zip(tiles, S))
-        split = items > sum(units)
-        if split and items > 2 * target:
+        if items > sum(units) and items > 2 * target:
             return None
-        work = -(-items // target) * (longest + 1)
-        return work * 50 + (work if split else 0)
-    best = None
-    for c in [NO_SPLIT, *range(2, max(tiles) + 1)]:
-        s = score(c)
-        if s is not None and (best is None or (s, -c) < best[0]):
-            best = ((s, -c), c)
-    return best[1]
+        work = -(-items // target) * (max(-(-t // s) for t, s in zip(tiles, S)) + 1)
+        return work * 50 + (work if items > sum(units) else 0)
+    scored = [(score(c), -c) for c in [NO_SPLIT, *range(2, max(tiles) + 1)]]
+    return -min(x for x in scored if x[0] is not None)[1]
 
 
-def _wave_chunk(units, tiles, target):
-    if sum(units) >= target:
+def _split_score(units, tiles, chunk, target):
+    """attn_split.h SplitScore, in eighths of a tile time: max(HBM, a block's own stream) + 8 a
+    wave + 1 a split of the most-split unit (the merge); None: more split items than partial
+    slots, or more splits of a unit than the merge stages."""
+    S = [-(-t // chunk) if t > 0 else 1 for t in tiles]
+    items = sum(u * s for u, s in zip(units, S))
+    split = items > sum(units)
+    if split and (items > 2 * target or max(S) > MAX_SPLITS):
+        return None
+    waves = -(-items // target)
+    hbm = -(-8 * sum(u * t for u, t in zip(units, tiles)) // target)
+    longest = max(-(-t // s) if t > 0 else 0 for t, s in zip(tiles, S))
+    return max(hbm, 2 * waves * longest) + 8 * waves + (max(S) if split else 0)
+
+
+def _chunk_python(units, tiles, target):
+    """attn_split.h ChooseSplitChunk (what _C.attn_split_chunk runs): the best of its 1024
+    candidate chunks, ties to the larger chunk; entries without units take no part."""
+    kept = [(u, t) for u, t in zip(units, tiles) if u > 0]
+    if not kept or sum(u for u, _ in kept) >= target or max(t for _, t in kept) <= 0:
         return NO_SPLIT
-    try:
-        from dspark_rt import _C
-        return _C.attn_split_chunk(units, tiles, target)
-    except ImportError:
-        return _chunk_python(units, tiles, target)
+    units, tiles = zip(*kept)
+    t_max, work = max(tiles), sum(u * t for u, t in kept)
+    fill_once = min(max(MIN_SPLIT, -(-work // target)), NO_SPLIT)
+    best = (None, NO_SPLIT)
+    for s in range(CANDIDATES):  # SplitCandidate
+        c = (NO_SPLIT if s == 0 else fill_once if s == 1 else s if t_max < CANDIDATES
+             else max(MIN_SPLIT, -(-t_max // (s - 1))))
+        sc = _split_score(units, tiles, c, target)
+        if sc is not None and (best[0] is None or (sc, -c) < (best[0], -best[1])):
+            best = (sc, c)
+    return best[1]
 
 
 def attention_floor(R, ctx, n=8, h_q=32, h_kv=8, hd=128):
     return (R * (ctx + n) * h_kv * hd * 2 * 2 + 2 * R * n * h_q * hd * 2) / BW
 
 
-def attention(R, ctx, n=8, h_q=32, h_kv=8, hd=128):
-    """Seconds of one verify_attention layer as today's kernels run it."""
-    L = ctx + n
-    tiles, units = math.ceil(L / 64), h_kv * math.ceil(n * h_q // h_kv / 64)
-    tile_time = BLOCKS * 64 * hd * 2 * 2 / BW  # one 64-key K + V tile in every block
-    chunk = _wave_chunk([units] * R, [tiles] * R, BLOCKS)
-    S = 1 if chunk == NO_SPLIT else max(1, -(-tiles // chunk))
-    items = R * units * S
-    t = RAMP + math.ceil(items / BLOCKS) * (math.ceil(tiles / S) + 1) * tile_time
-    # the merge launches whether or not anything split; a thread of it walks 8 rows x S partials,
-    # each load behind the previous one's exp2 (desk SASS, issue 29)
-    t += GAP_PLAIN + RAMP + chain(8 * S, LAT_L2) if S > 1 else GAP_PLAIN + RAMP
-    return t
+def attention_plan(R, ctx, which, n=8, h_q=32, h_kv=8):
+    """(units a request, rows of a unit's tile, tiles a unit, S): the split the planner picks."""
+    rows = min(64, n * h_q // h_kv)
+    units, tiles = h_kv * -(-n * h_q // h_kv // 64), -(-(ctx + n) // 64)
+    plan = _chunk_before if which == "before" else _chunk_python
+    chunk = NO_SPLIT if R * units >= BLOCKS else plan([units] * R, [tiles] * R, BLOCKS)
+    return units, rows, tiles, 1 if chunk == NO_SPLIT else -(-tiles // chunk)
+
+
+def attention(R, ctx, which, n=8, h_q=32, h_kv=8, hd=128, page_size=16):
+    """Seconds of one verify_attention layer (its own launch gap, the same in both, left out)."""
+    units, rows, tiles, S = attention_plan(R, ctx, which, n, h_q, h_kv)
+    longest, items = -(-tiles // S), R * units * S
+    waves = -(-items // BLOCKS)
+    tile_time = BLOCKS * 64 * hd * 2 * 2 / BW
+    # a tile's mma: hd / kw a warp (kw warps share its keys), as many warps on a sub-partition as
+    # the SM holds blocks
+    kw = 1 if which == "before" else (4 if rows <= 16 else 2 if rows <= 32 else 1)
+    per_sm = min(BLOCKS // SMS, -(-min(items, BLOCKS) // SMS))
+    mma_tile = hd // kw * MMA_CLK * per_sm / CLOCK
+    stream = max(attention_floor(R, ctx, n, h_q, h_kv, hd), waves * longest * tile_time / 4,
+                 waves * longest * mma_tile)
+    # a wave's items start and end together: the item found (binary search over item_off, then
+    # the request's fields in one round), before: its block-table scan (a round per 128 entries),
+    # the block table, the first tile; at the end the last tile's mma, which no load hides
+    scan = chain(-(-(-(-(ctx + n) // page_size)) // 128), LAT_L2) if which == "before" else 0
+    per_wave = (1 + math.ceil(math.log2(R))) * LAT_L2 + scan + LAT_L2 + LAT_HBM + mma_tile
+    t = RAMP + stream + waves * per_wave + LAT_L2  # + the last stores
+    if which == "before":  # the merge kernel: a thread walks 8 rows x S partials, each load
+        # behind the previous one's exp2 (desk SASS, issue 29)
+        return t + GAP_PLAIN + RAMP + (chain(8 * S, LAT_L2) if S > 1 else 0)
+    if S == 1:
+        return t
+    # after: partial stores fenced, the ticket (2 round trips); the last split's block loads the
+    # S x 64 lse (1,024 a round), then the partials at its SM's L2 rate, in batches of 4 splits a
+    # thread group (a batch past S rereads the last split), as many merges an SM as units / SMs
+    outs = rows * hd // 4
+    span = 128
+    while span > 1 and span // 2 * 4 >= outs:
+        span //= 2
+    groups = 128 // span
+    loaded = -(-S // (4 * groups)) * 4 * groups
+    merge = (2 * LAT_L2 + math.ceil(S * 64 / 1024) * LAT_L2 + LAT_L2
+             + -(-R * units // SMS) * loaded * rows * hd * 4 / L2_SM)
+    return t + merge
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -194,10 +255,9 @@ def rows():
                         before_us=rejection(R, "before"), after_us=rejection(R, "after")))
     for R, ctx in [(1, 4096), (8, 4096), (32, 4096), (128, 4096), (256, 4096), (32, 1024), (1, 32768),
                    (32, 32768)]:
-        before = attention(R, ctx)
-        after = ATTENTION_AFTER(R, ctx) if ATTENTION_AFTER else before
         out.append(dict(op="verify_attention", shape=f"R={R} ctx={ctx}", floor_us=attention_floor(R, ctx),
-                        before_us=before, after_us=after))
+                        before_us=attention(R, ctx, "before"), after_us=attention(R, ctx, "after"),
+                        splits=[attention_plan(R, ctx, w)[3] for w in ("before", "after")]))
     for r in out:
         for k in ("floor_us", "before_us", "after_us"):
             r[k] *= 1e6
@@ -211,16 +271,24 @@ def main(argv=None):
     table = rows()
     units = {"markov_sample": "us a call (bf16 head, V 151936, r 256)",
              "rejection_sample": f"us a call (float32 target, V 151936, {ACCEPTED} of 7 accepted)",
-             "verify_attention": "us a layer (Qwen3-8B heads, 8 queries a request; after = today "
-                                 "until ATTENTION_AFTER is filled in)"}
+             "verify_attention": "us a layer (Qwen3-8B heads, bf16, 8 queries a request; S: splits "
+                                 "before -> after)"}
+    assumes = {"markov_sample": "vanilla head + Markov-feature confidence (d 4096), T > 0, W2 from HBM every "
+                                "step; warp instructions an item 1250 -> 190",
+               "rejection_sample": "T > 0, one rejection a request; 16-byte loads in flight a thread 1 -> 4",
+               "verify_attention": f"{BLOCKS} blocks; a block <= 4 tiles a tile time; an mma a sub-partition "
+                                   f"every {MMA_CLK} clk; an SM reads L2 at 64 B/clk; L2 / HBM round trips "
+                                   f"{LAT_L2 * 1e6} / {LAT_HBM * 1e6} us"}
     op = None
     for r in table:
         if r["op"] != op:
             op = r["op"]
             print(f"{op}: {units[op]}, model")
+            print(f"  assumes: {assumes[op]}; HBM {BW / 1e12} TB/s, ramp {RAMP * 1e6} us (docstring)")
             print(f"{'shape':>16} {'floor':>8} {'before':>8} {'%':>5} {'after':>8} {'%':>5}")
         f, b, a = r["floor_us"], r["before_us"], r["after_us"]
-        print(f"{r['shape']:>16} {f:8.1f} {b:8.1f} {100 * f / b:5.0f} {a:8.1f} {100 * f / a:5.0f}")
+        note = f"  S {r['splits'][0]} -> {r['splits'][1]}" if "splits" in r else ""
+        print(f"{r['shape']:>16} {f:8.1f} {b:8.1f} {100 * f / b:5.0f} {a:8.1f} {100 * f / a:5.0f}{note}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(table, fh, indent=1)

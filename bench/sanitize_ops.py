@@ -2,6 +2,11 @@
 
     compute-sanitizer --tool=memcheck --error-exitcode=3 python bench/sanitize_ops.py --device cuda
     python bench/sanitize_ops.py --device cpu   # the same calls on the C++ kernels: checks this driver
+    ... bench/sanitize_ops.py --device cuda --cases tickets   # only the atomic-ticket paths, first
+
+The ticket cases run first in every mode: verify_attention's split-KV merge fused into the
+attention kernel and rejection_sample's residual merge, where blocks meet through an atomic
+ticket (racecheck's and memcheck's first business).
 
 Why no torch: a sanitized process pays for every GPU module it loads, and torch's CUDA libraries
 hold thousands of kernels, so one that imports torch spends minutes under memcheck before its
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}  # ops._DTYPE_CODE
+DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}  # ops.door.DTYPE_CODE
 HEADS = ("none", "vanilla", "gated", "rnn", "selector")                 # ops.HEADS
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,7 +151,10 @@ def rejection(C, buf, be, rng, R, G, V, tdt, rows="full", coupled=False):
           and (out[np.arange(R), acc] >= 0).all(), f"rejection_sample {tdt}: accepted counts and tokens")
 
 
-def attention(C, buf, be, rng, n_q, ctx, h_q, h_kv, hd, ps, fdt, planned):
+def attention(C, buf, be, rng, n_q, ctx, h_q, h_kv, hd, ps, fdt):
+    """One input set, run unplanned and then (CUDA) twice on one plan: the plan's merge tickets
+    must be back at zero after a call, and the merge sums splits in a fixed order, so all three
+    outputs are the same bits."""
     R, kv = len(n_q), [c + n for c, n in zip(ctx, n_q)]
     need = [-(-L // ps) for L in kv]
     num_pages, max_pages = sum(need) + 2, max(need) + 1  # two pages nobody owns
@@ -168,20 +176,26 @@ def attention(C, buf, be, rng, n_q, ctx, h_q, h_kv, hd, ps, fdt, planned):
     p.max_pages, p.dtype, p.causal, p.window, p.scale = max_pages, DTYPE_CODE[fdt], True, 0, 1.25 * hd ** -0.5
     p.batch_invariant = False
     p.cu_q, p.kv_lens = buf(cu), buf(np.array(kv, np.int32))
-    if planned:  # the forward's plan: partition and split-KV partials every layer reuses
-        slots = C.verify_attention_plan_slots(p, 0)
-        if slots:
+    p.q = buf(as_float(rng.standard_normal((int(cu[-1]), h_q, hd)), fdt))
+    p.k_cache, p.v_cache, p.block_tables = buf(as_float(kc, fdt)), buf(as_float(vc, fdt)), buf(tables)
+    zeros = lambda: buf(np.zeros((int(cu[-1]), h_q, hd), np.uint16 if fdt == "bfloat16" else np.float32))
+    outs = []
+    for planned in [False, True, True] if buf.cuda else [False]:  # the plan exists on CUDA only
+        if planned and not p.work:  # the forward's plan: partition and split-KV partials
+            slots = C.verify_attention_plan_slots(p, 0)
+            if not slots:
+                break
             p.work = buf(np.zeros(4 * (R + 1), np.int32))
             p.part_o, p.part_lse = buf(np.zeros((slots, 64, hd), np.float32)), buf(np.zeros((slots, 64), np.float32))
             p.plan_slots = slots
             C.verify_attention_plan(p, 0)
-    p.q = buf(as_float(rng.standard_normal((int(cu[-1]), h_q, hd)), fdt))
-    p.k_cache, p.v_cache, p.block_tables = buf(as_float(kc, fdt)), buf(as_float(vc, fdt)), buf(tables)
-    p.out = buf(np.zeros((int(cu[-1]), h_q, hd), np.uint16 if fdt == "bfloat16" else np.float32))
-    C.verify_attention(p, be, 0)
-    buf.sync()
-    check(np.isfinite(to_f32(buf.get(p.out), fdt)).all(),
-          f"verify_attention {fdt} n_q={n_q} ctx={ctx} planned={planned}: finite rows (no NaN page leaks)")
+        p.out = zeros()
+        C.verify_attention(p, be, 0)
+        buf.sync()
+        outs.append(buf.get(p.out))
+    what = f"verify_attention {fdt} n_q={n_q} ctx={ctx} h_q={h_q} h_kv={h_kv} hd={hd}"
+    check(np.isfinite(to_f32(outs[0], fdt)).all(), f"{what}: finite rows (no NaN page leaks)")
+    check(all(np.array_equal(o, outs[0]) for o in outs[1:]), f"{what}: planned, replanned and unplanned bits equal")
 
 
 def prefix_topk(C, buf, be, rng, R, G, K):
@@ -213,18 +227,33 @@ def append_kv(C, buf, be, rng, N, h_kv, hd, ps, num_pages, fdt):
               f"append_kv {fdt}: the rows written where slot_mapping says, nothing else")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
-    ap.add_argument("--seed", type=int, default=1701)
-    args = ap.parse_args(argv)
-    C, cuda = load_c(), args.device == "cuda"
-    if cuda and not C.build_info().get("cuda"):
-        sys.exit(f"sanitize_ops: this _C has no CUDA kernels ({C.build_info()})")
-    be, buf, rng = ("cuda" if cuda else "cpp"), Buffers(cuda), np.random.default_rng(args.seed)
-    # dtypes each backend's kernels take (ops._float_dtypes, _MARKOV_MIXED, _REJECTION_MIXED)
-    same = ["float32", "bfloat16"] if cuda else ["float32"]
+def ticket_cases(C, buf, be, rng):
+    """The paths where blocks meet through an atomic ticket: verify_attention's split-KV merge
+    (the last split of a unit merges; tensor cores: bf16, head_dim 64 / 128) and
+    rejection_sample's residual merge (the last of a request's vocabulary chunks). S: the
+    planner's splits at 264 blocks (an H200's head_dim-128 grid)."""
+    for n_q, ctx, h_q, h_kv, hd in [((1,), (4095,), 32, 8, 128),   # 4 rows a unit: 4 merge groups, S 8
+                                    ((2,), (16000,), 2, 1, 64),    # S > 16: two rounds of lse loads
+                                    ((8, 3), (2000, 700), 8, 2, 128),  # 32 and 12 rows, ragged
+                                    ((20,), (3000,), 8, 2, 128)]:  # 80 rows: two query tiles a head
+        rows = [n * (h_q // h_kv) for n in n_q]
+        units = [h_kv * -(-r // 64) for r in rows]
+        tiles = [-(-(c + n) // 64) for c, n in zip(ctx, n_q)]
+        chunk = C.attn_split_chunk(units, tiles, 264)
+        print(f"  attention n_q={n_q} ctx={ctx} hd={hd}: S {[-(-t // chunk) for t in tiles]}", flush=True)
+        attention(C, buf, be, rng, n_q, ctx, h_q, h_kv, hd, 16, "bfloat16" if buf.cuda else "float32")
+    for V in (9000, 3 * 8192 + 100):  # 2 and 4 chunks (the last one short)
+        print(f"  rejection V={V}", flush=True)
+        rejection(C, buf, be, rng, 4, 3, V, "float32", rows="random")
+        rejection(C, buf, be, rng, 3, 2, V, "bfloat16", coupled=True)
+
+
+def all_cases(C, buf, be, rng):
+    # dtypes each backend's kernels take (ops.door.float_dtypes, ops.markov._MARKOV_MIXED,
+    # ops.rejection._REJECTION_MIXED)
+    same = ["float32", "bfloat16"] if buf.cuda else ["float32"]
     for dt in same:  # logits and weights alike
+        print(f"  {dt}: markov, rejection, append_kv", flush=True)
         markov(C, buf, be, rng, 3, 2, 1100, 32, 24, "gated", dt, dt)
         markov(C, buf, be, rng, 2, 2, 700, 20, 16, "vanilla", dt, dt)
         markov(C, buf, be, rng, 3, 2, 700, 20, 16, "vanilla", dt, dt, temps="mixed", coupled=True)
@@ -235,15 +264,33 @@ def main(argv=None):
     # a bf16 model as served: float32 logits over bf16 weights / target rows
     markov(C, buf, be, rng, 3, 2, 1100, 32, 24, "gated", "float32", "bfloat16")
     rejection(C, buf, be, rng, 3, 2, 1000, "bfloat16")
-    if cuda:
+    if buf.cuda:
         markov(C, buf, be, rng, 3, 2, 1100, 64, 24, "vanilla", "float32", "bfloat16", u16=True)
     for dt in same:
-        for planned in ([False, True] if cuda else [False]):  # the plan exists on CUDA only
-            attention(C, buf, be, rng, (2, 1), (300, 40), 8, 2, 128, 16, dt, planned)
-            attention(C, buf, be, rng, (3,), (1100,), 4, 2, 64, 16, dt, planned)
-            attention(C, buf, be, rng, (2,), (30,), 4, 2, 32, 8, dt, planned)
+        print(f"  {dt}: verify_attention", flush=True)
+        attention(C, buf, be, rng, (2, 1), (300, 40), 8, 2, 128, 16, dt)
+        attention(C, buf, be, rng, (3,), (1100,), 4, 2, 64, 16, dt)
+        attention(C, buf, be, rng, (2,), (30,), 4, 2, 32, 8, dt)
+    print("  prefix_topk", flush=True)
     prefix_topk(C, buf, be, rng, 50, 7, 100)
     prefix_topk(C, buf, be, rng, 3, 16, 1000)  # K past every candidate
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    ap.add_argument("--cases", choices=["all", "tickets"], default="all",
+                    help="tickets: only the calls whose blocks meet through an atomic ticket (cheap)")
+    ap.add_argument("--seed", type=int, default=1701)
+    args = ap.parse_args(argv)
+    C, cuda = load_c(), args.device == "cuda"
+    if cuda and not C.build_info().get("cuda"):
+        sys.exit(f"sanitize_ops: this _C has no CUDA kernels ({C.build_info()})")
+    be, buf, rng = ("cuda" if cuda else "cpp"), Buffers(cuda), np.random.default_rng(args.seed)
+    print(f"sanitize_ops: {args.cases} cases, {be}", flush=True)
+    ticket_cases(C, buf, be, rng)
+    if args.cases == "all":
+        all_cases(C, buf, be, rng)
     buf.sync()
     print("sanitize-ok")
 

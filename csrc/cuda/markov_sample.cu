@@ -30,7 +30,7 @@
 // walking the same tiles in step, so W2 streams from HBM once per step for the whole batch and
 // each further group reads the tile from L2 (H200: 50 MB of L2 against ~1-2 MB of tiles in
 // flight per group per wave). The RNN head returns kUnsupported: its state update needs a
-// (3r x (2r + d)) matvec per step and request, and the ops door (dspark_rt/ops/__init__.py,
+// (3r x (2r + d)) matvec per step and request, and the ops door (dspark_rt/ops/markov.py,
 // _markov_backend) routes rnn on CUDA tensors to the reference.
 // The selector head (top-k candidates, no vocabulary-wide W2 sweep) lives in markov_select.cu.
 //

@@ -51,7 +51,9 @@
 //     the 8 last blocks: lse 0.3 (one round trip), weights 0.05, 9 partials x 16 KB at 115 GB/s
 //     1.25 (16 loads of 16 B in flight a thread: 32 KB a block, the SM's latency x bandwidth),
 //     output 0.1. Total ~7.9 us a layer (49% of floor): at the goal of <= 8 us, with the merge's
-//     per-SM L2 rate the softest assumption (at 64 B/clk; 1.25 us of the 7.9).
+//     per-SM L2 rate the softest assumption (at 64 B/clk; 1.25 us of the 7.9). bench/paper_model.py
+//     prices it at 9.5 us: it adds the 1 us ramp both designs pay and the merge's last batch of
+//     4 splits, which loads split 8 four times (12 partials read, not 9: +0.4 us).
 //   R = 32 before: no split (256 units < 264 blocks), 65 tiles a block; mma on 2 SMSPs per SM:
 //     2 blocks x 65 tiles x 2 warps x 128 mma x 8 clk / 2 SMSPs = 74 us against 126 us of HBM,
 //     hidden by the pipeline only while a tile's mma (both blocks: 1.1 us) stays under its load

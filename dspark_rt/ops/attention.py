@@ -26,7 +26,7 @@ class VerifyAttentionPlan:
     causal: bool
     window: int = 0
     batch_invariant: bool = False  # the split mode it was planned in (CUDA)
-    work: torch.Tensor | None = None      # int32 [4 (R + 1)] item_off | split | slot_off | merge_off
+    work: torch.Tensor | None = None      # int32 [4 (R + 1)] item_off | split | slot_off | bad
     part_o: torch.Tensor | None = None    # float32 [slots, 64, head_dim]
     part_lse: torch.Tensor | None = None  # float32 [slots, 64]
 

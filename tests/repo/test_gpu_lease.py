@@ -15,7 +15,7 @@ from dspark_rt import ops
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_lease.sh"
-STEPS = ["build", "tests_ops", "tests_graphs", "kernels", "e2e", "sanitizer"]
+STEPS = ["build", "tests_first", "sanitizer_tickets", "tests_ops", "tests_graphs", "kernels", "e2e", "sanitizer"]
 
 
 def _bench(name):
@@ -50,9 +50,18 @@ def test_cpu_mode_writes_the_archive(tmp_path):
         assert f"gpu_lease/{name}" in names, names
     status = {s["step"]: s["status"] for s in summary["steps"]}
     assert status["preflight"] == "ok" and status["build"] == "skipped (--skip)"
-    for step in ("tests_ops", "kernels", "e2e", "sanitizer_cpu"):
+    for step in ("tests_first", "sanitizer_tickets_cpu", "tests_ops", "kernels", "e2e", "sanitizer_cpu"):
         assert status[step] == "ok", (step, status)
-    assert summary["tests"]["tests_ops"]["collected"] > 0
+    # the newest CUDA paths' tests first, none of them again in tests_ops; the ticket cases first
+    assert list(status)[2:5] == ["tests_first", "sanitizer_tickets_cpu", "tests_ops"], list(status)
+    first, rest = (summary["tests"][k]["collected"] for k in ("tests_first", "tests_ops"))
+    assert first > 0 and rest > 0
+    with tarfile.open(tmp_path / "gpu_lease.tar.gz") as tar:
+        logs = {k: tar.extractfile(f"gpu_lease/{k}.log").read().decode() for k in ("tests_first", "tests_ops")}
+    for name in ("test_verify_attention_fused_merge", "test_verify_attention_merge_tickets_reset",
+                 "test_cupy_arrays_in_and_out", "test_ops_outputs.py::test_rejection_sample_writes_every_output"):
+        assert name in logs["tests_first"] and name not in logs["tests_ops"], name
+    assert "test_verify_attention_plan_reuse" in logs["tests_ops"] and "test_sanitizer" not in logs["tests_ops"]
     # verify_attention first; the eager reference timed at each op's first (smallest) shape only
     assert [k["op"] for k in summary["kernels"]][0] == "verify_attention"
     by_op = {}
@@ -83,7 +92,7 @@ def test_failed_build_stops_the_run_and_the_first_line_says_so(tmp_path):
                       **{s: "skipped (build failed)" for s in STEPS[1:]}}, status
     with tarfile.open(tmp_path / "gpu_lease.tar.gz") as tar:
         ran = {Path(n).stem for n in tar.getnames()}
-    assert not ran & {"tests_ops", "kernels", "e2e", "sanitizer_cpu"}, ran  # nothing ran after it
+    assert not ran & {"tests_first", "sanitizer_tickets_cpu", "tests_ops", "kernels", "e2e", "sanitizer_cpu"}, ran
     # the rerun builds again (nothing is skipped) and keeps the run's own options
     assert summary["rerun"] == "bash bench/gpu_lease.sh --dry-run --budget 300", summary["rerun"]
 
@@ -93,14 +102,15 @@ def test_rerun_skips_what_passed_and_the_build(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     # e2e fails (its ops refuse a backend that does not exist, ~15 s); the sanitizer driver
     # calls _C itself and passes
-    res = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--skip", "build,tests_ops,tests_graphs,kernels"],
+    res = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--skip", "build,tests_first,tests_ops,tests_graphs,kernels"],
                          cwd=tmp_path, env=dict(env, DSPARK_BACKEND="nope"),
                          capture_output=True, text=True, timeout=120)
     summary = json.loads((tmp_path / "summary.json").read_text())
     status = {s["step"]: s["status"] for s in summary["steps"]}
-    assert status["e2e"] == "failed(1)" and status["sanitizer_cpu"] == "ok", status
+    assert status["e2e"] == "failed(1)" and status["sanitizer_cpu"] == status["sanitizer_tickets_cpu"] == "ok", status
     assert res.returncode == 1
-    assert summary["rerun"] == "bash bench/gpu_lease.sh --skip build,tests_ops,tests_graphs,kernels,sanitizer --dry-run"
+    assert summary["rerun"] == ("bash bench/gpu_lease.sh --skip build,tests_first,tests_ops,tests_graphs,kernels,"
+                                "sanitizer --dry-run")
 
 
 def test_junit_check_counts_all_skipped_as_nothing_ran(tmp_path):
@@ -169,6 +179,8 @@ def test_sanitizer_driver_runs_every_op_without_torch():
             "assert 'torch' not in sys.modules, 'the driver imported torch'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "sanitize-ok" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    # the atomic-ticket paths (split-KV merge, residual merge) come first, before any other op
+    assert res.stdout.index("  attention n_q=") < res.stdout.index("  rejection V=") < res.stdout.index("markov")
 
 
 def test_paper_model_runs_and_no_change_models_slower(tmp_path):
