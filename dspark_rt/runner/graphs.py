@@ -149,7 +149,7 @@ class GraphRunner:
                              "workspaces must not happen inside a capture)")
         self.capture, self.warmup = capture, warmup
         # the rnn head has no CUDA kernel (the ops door routes it to the host-syncing
-        # reference, ops._markov_backend), nor a selector with more candidates than the kernel
+        # reference, ops.markov._markov_backend), nor a selector with more candidates than the kernel
         # keeps: their drafts stay eager, the verify is still captured
         wide = head == "selector" and self.head_weights.get("top_k", 0) > ops._CUDA_SELECT_MAX_TOP_K
         self.draft_capturable = not (capture and (head == "rnn" or wide))
