@@ -7,7 +7,7 @@
 __version__ = "0.1.0"
 
 from .engine.config import EngineConfig
-from .outputs import RequestOutput, SpecMetrics
+from .outputs import CompletionOutput, Logprob, RequestOutput, SpecMetrics
 from .policies import Calibration, FixedPolicy, ThresholdPolicy, VerifyPolicy
 from .sampling_params import SamplingParams
 
@@ -23,5 +23,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'dspark_rt' has no attribute {name!r}")
 
 
-__all__ = ["Decoder", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "SpecMetrics", "Calibration",
-           "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "__version__"]
+__all__ = ["Decoder", "Engine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "SpecMetrics", "Calibration", "VerifyPolicy",
+           "FixedPolicy", "ThresholdPolicy", "__version__"]
