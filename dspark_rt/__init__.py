@@ -3,11 +3,13 @@
     from dspark_rt import Decoder, SamplingParams
     dec = Decoder.from_pretrained("path/to/qwen3", "path/to/dspark-drafter")
     out = dec.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+
+or vLLM's shape: LLM(model="path/to/qwen3", speculative_config={"model": "path/to/drafter"}).
 """
 __version__ = "0.1.0"
 
 from .engine.config import EngineConfig
-from .outputs import RequestOutput, SpecMetrics
+from .outputs import CompletionOutput, Logprob, RequestOutput, SpecMetrics
 from .policies import Calibration, FixedPolicy, ThresholdPolicy, VerifyPolicy
 from .sampling_params import SamplingParams
 
@@ -17,11 +19,15 @@ def __getattr__(name):
     if name == "Decoder":
         from .decoder import Decoder
         return Decoder
+    if name == "LLM":
+        from .llm import LLM
+        return LLM
     if name == "Engine":
         from .engine.engine import Engine
         return Engine
     raise AttributeError(f"module 'dspark_rt' has no attribute {name!r}")
 
 
-__all__ = ["Decoder", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "SpecMetrics", "Calibration",
-           "VerifyPolicy", "FixedPolicy", "ThresholdPolicy", "__version__"]
+__all__ = ["Decoder", "LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "SpecMetrics", "Calibration", "VerifyPolicy",
+           "FixedPolicy", "ThresholdPolicy", "__version__"]

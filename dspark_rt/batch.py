@@ -13,6 +13,12 @@ def pages_for(n_tokens: int, page_size: int) -> int:
     return -(-n_tokens // page_size)
 
 
+def _asks_logprobs(p) -> bool:
+    """SamplingParams.logprobs: None / False ask for none; True and every int (0: the sampled
+    token only) ask for them."""
+    return p.logprobs is not None and p.logprobs is not False
+
+
 @dataclass
 class SamplingBatch:
     """The sampling settings of R requests, one list per field (SamplingParams' meaning):
@@ -29,7 +35,7 @@ class SamplingBatch:
     @classmethod
     def of(cls, params) -> "SamplingBatch":
         """From SamplingParams (or anything with those attributes), one per request."""
-        return cls(*([getattr(p, f.name) if f.name != "logprobs" else bool(p.logprobs) for p in params]
+        return cls(*([getattr(p, f.name) if f.name != "logprobs" else _asks_logprobs(p) for p in params]
                      for f in fields(cls)))
 
     def select(self, rows: list[int]) -> "SamplingBatch":

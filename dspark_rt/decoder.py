@@ -4,18 +4,19 @@ A facade over one Engine (engine/engine.py), which owns the requests and the loo
 loads the models, resolves the mode and the policy (profiling the machine once for sync / async)
 and sizes the Engine's KV pool to the batches it is given.
 """
+import inspect
 import itertools
-import math
 import numbers
 import threading
 from pathlib import Path
 
-import torch
-
+from . import engine_args
 from .checkpoint.config import TargetConfig
 from .checkpoint.tensors import resolve_dtype
 from .engine import EngineConfig
 from .engine.engine import Engine
+from .engine_args import EngineArgs
+from .inputs import conversations, prompt_list, template_kwargs, unwrap
 from .models.drafter import Drafter
 from .models.load import load_drafter
 from .models.qwen3 import Qwen3Model, pick_dtype
@@ -27,25 +28,6 @@ from .runner.resolve import resolve_policy
 from .runner.runner import MODES, Runner
 from .sampling_params import SamplingParams
 from .checkpoint.tokenizer import Tokenizer
-
-
-def _device(device) -> torch.device:
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}: no CUDA device is available here "
-                         "(torch.cuda.is_available() is False); use device='cpu'")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
-    return device
-
-
-def _seed(seed) -> int:
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    return int(seed)
 
 
 class Decoder:
@@ -64,14 +46,21 @@ class Decoder:
     " + online" appended under online_calibration). online_calibration: refit the calibration
     from the rounds served (policies.OnlineCalibration, starting from the one above; dspark
     mode with a confidence head).
+    vLLM's engine arguments by their names (max_model_len, gpu_memory_utilization, max_num_seqs,
+    max_num_batched_tokens, enforce_eager, num_speculative_tokens): engine_args.EngineArgs;
+    `limits` holds what they cap (engine.config.EngineLimits).
     """
 
     def __init__(self, target: Qwen3Model, drafter: Drafter | None, tokenizer: Tokenizer | None, *,
                  mode=None, policy="fixed", threshold=0.5, sps=None, calibration=None,
                  page_size=16, seed=0, device="cpu", tensor_parallel=None,
-                 online_calibration=False, policy_options=None):
-        self.device = _device(device)
-        seed = _seed(seed)
+                 online_calibration=False, policy_options=None, max_model_len=None,
+                 gpu_memory_utilization=None, max_num_seqs=None, max_num_batched_tokens=None,
+                 enforce_eager=False, num_speculative_tokens=None):
+        self.device = engine_args.device(device)
+        seed = engine_args.seed(seed)
+        args = EngineArgs(max_model_len, gpu_memory_utilization, max_num_seqs,
+                          max_num_batched_tokens, enforce_eager, num_speculative_tokens)
         if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or \
                 not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
@@ -88,6 +77,7 @@ class Decoder:
                              f"{target.config.vocab_size}: its ids would index past the embedding")
         self.runner = (Runner(target, drafter, mode, page_size, self.device) if tensor_parallel is None
                        else tensor_parallel.runner(target, drafter, mode, page_size, self.device))
+        self.limits = args.apply(self.runner)  # before profiling: the context may be capped
         options = dict(policy_options or {})
         if policy == "threshold":
             options.setdefault("threshold", threshold)
@@ -115,8 +105,14 @@ class Decoder:
         those the drafter's config ships (sts_temperatures); calibration="none": uncalibrated.
         tensor_parallel_size=N > 1 shards both models over N ranks: this process is rank 0, N - 1
         worker processes are started (NCCL on CUDA, rank r on cuda:r; gloo on the CPU); see
-        shutdown()."""
-        device = _device(device)
+        shutdown(). The other keywords are the Decoder's (vLLM's engine arguments among them),
+        checked before anything loads."""
+        device = engine_args.device(device)
+        unknown = sorted(set(kwargs) - set(inspect.signature(cls.__init__).parameters) - {"self"})
+        if unknown:
+            raise TypeError(f"from_pretrained() got unexpected keyword arguments {unknown} "
+                            "(docs/vllm.md lists the engine arguments served)")
+        EngineArgs(**{k: v for k, v in kwargs.items() if k in EngineArgs.__dataclass_fields__})
         cal = kwargs.get("calibration")
         if isinstance(cal, str) and cal == "none":
             kwargs["calibration"] = None
@@ -168,7 +164,7 @@ class Decoder:
         old = getattr(self, "engine", None)
         self.engine = Engine(self.runner, config, policy=self.policy, calibration=self.calibration,
                              tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                             seed=self.seed, request_ids=self._ids, **kwargs)
+                             seed=self.seed, request_ids=self._ids, limits=self.limits, **kwargs)
         if old is not None:
             e = self.engine
             e.round, e.calibration, e.round_log = old.round, old.calibration, old.round_log
@@ -183,6 +179,7 @@ class Decoder:
 
     @property
     def max_model_len(self) -> int:
+        """The context in tokens: the target's max_position_embeddings, or max_model_len."""
         return self.runner.max_len
 
     @property
@@ -196,17 +193,18 @@ class Decoder:
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts, params=None, *, use_tqdm=True) -> list[RequestOutput]:
-        """prompts: a str, a list of str, a list of token ids or a list of token-id lists.
-        params: one SamplingParams for all, or one per prompt. All requests are checked before
-        any work starts, so a bad request costs the others nothing. Safe to call from several
-        threads: their requests share the Engine's rounds."""
-        prompts = _prompt_list(prompts)
-        if params is None:
-            params = SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True,
+                 params=None) -> list[RequestOutput]:
+        """prompts: a str, token ids, a vLLM dict prompt ({"prompt": str} or {"prompt_token_ids":
+        ids}), or a list of them. sampling_params (or params=, release 0.1's name): one
+        SamplingParams for all, or one per prompt. All requests are checked before any work
+        starts, so a bad request costs the others nothing. Safe to call from several threads:
+        their requests share the Engine's rounds."""
+        prompts = prompt_list(prompts)
+        sp = _sampling_params(sampling_params, params)
+        plist = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
         if len(plist) != len(prompts):
-            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+            raise ValueError(f"sampling_params has {len(plist)} entries for {len(prompts)} prompts")
         reqs = [self.engine.make_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
         if not reqs:
             return []
@@ -216,20 +214,27 @@ class Decoder:
             eng.add_all(reqs)
         return eng.drive(reqs, use_tqdm=use_tqdm, desc=f"dspark_rt {self.mode}")
 
-    def chat(self, messages, params=None, **kwargs) -> list[RequestOutput]:
-        """messages: one conversation [{"role", "content"}, ...] or a list of them."""
+    def chat(self, messages, sampling_params=None, *, use_tqdm=True, params=None,
+             chat_template_kwargs=None, add_generation_prompt=True) -> list[RequestOutput]:
+        """messages: one conversation [{"role", "content"}, ...] or a list of them, rendered by
+        the target's chat template; chat_template_kwargs: its variables ({"enable_thinking":
+        False} for Qwen3); add_generation_prompt: open the assistant's turn (vLLM's default)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer in the target folder")
-        convs = _conversations(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-        return self.generate(prompts, params, **kwargs)
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
+        variables = template_kwargs(chat_template_kwargs)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                      **variables)
+                   for c in conversations(messages)]
+        return self.generate(prompts, _sampling_params(sampling_params, params), use_tqdm=use_tqdm)
 
-    def stream(self, prompt, params=None, *, num_pages: int = 512):
+    def stream(self, prompt, sampling_params=None, *, num_pages: int = 512, params=None):
         """Yields the request's new tokens round by round (engine.StepOutput: new_token_ids,
         finished, and the full RequestOutput on the last one). Other open streams of this
         Decoder advance in the same rounds. The arguments are checked here, at the call; the
         request is queued at the first next()."""
-        req = self.engine.make_request(prompt, params if params is not None else SamplingParams())
+        req = self.engine.make_request(unwrap(0, prompt), _sampling_params(sampling_params, params))
         return self._stream(req, num_pages)
 
     def _stream(self, req, num_pages):
@@ -239,38 +244,10 @@ class Decoder:
             eng.add(req)
         yield from eng.stream_request(req)
 
-def _is_ids(p) -> bool:
-    return isinstance(p, (list, tuple)) and bool(p) and all(
-        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)
 
-
-def _prompt_list(prompts) -> list:
-    """One prompt (a str or token ids) or a list of them, as a list; anything else is a
-    TypeError naming the argument (the prompts themselves are checked per request)."""
-    if isinstance(prompts, str) or _is_ids(prompts):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those, got "
-                        f"{type(prompts).__name__}")
-    return list(prompts)
-
-
-def _conversations(messages) -> list:
-    """One conversation (a list of message dicts) or a list of conversations, each checked."""
-    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
-        convs = [messages]
-    elif isinstance(messages, (list, tuple)) and messages:
-        convs = list(messages)
-    else:
-        raise ValueError("chat: messages must be a non-empty list of {'role', 'content'} dicts, "
-                         f"or a list of such lists; got {messages!r:.80}")
-    for i, conv in enumerate(convs):
-        if not isinstance(conv, (list, tuple)) or not conv:
-            raise ValueError(f"chat: messages[{i}] must be a non-empty list of message dicts, "
-                             f"got {conv!r:.80}")
-        for j, m in enumerate(conv):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), (str, type(None), list)):
-                raise ValueError(f"chat: messages: conversation {i}, message {j} must be a dict "
-                                 f"with a str 'role' and a str 'content', got {m!r:.80}")
-    return convs
+def _sampling_params(sampling_params, params):
+    """vLLM's sampling_params= or release 0.1's params= (not both); None: SamplingParams()."""
+    if sampling_params is not None and params is not None:
+        raise TypeError("pass sampling_params= or params= (its older name), not both")
+    sp = sampling_params if sampling_params is not None else params
+    return SamplingParams() if sp is None else sp

@@ -3,6 +3,7 @@ import numbers
 from dataclasses import dataclass, field
 
 _U64 = 1 << 64
+MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's default max_logprobs)
 _F32_MAX = 3.4028234663852886e38  # the kernels compute in float32 at most: z / T must stay finite
 
 
@@ -21,10 +22,12 @@ class SamplingParams:
     threshold policies, wherever it sits in a batch; under sync and async the batch moves the
     verify lengths and so the round boundaries the noise is keyed by (coupled=True removes that
     dependence). max_tokens: the most new tokens; the model's context caps it (a request never
-    holds more KV memory than its context needs). stop: strings that end the output (not
+    holds more KV memory than its context needs); None: until the context ends. stop: strings that end the output (not
     included in it; they need the target's tokenizer); stop_token_ids end it after that token.
-    logprobs=True returns the target's raw log-probability of every emitted
-    token: log_softmax of its logits before temperature and before top-k / top-p (vLLM's default).
+    logprobs=N (vLLM's meaning): every emitted token's log-probability under the target, with its
+    rank, and the N most likely tokens of its row (N = 0: the sampled token only; at most
+    MAX_LOGPROBS); True: N = 0; None or False: none. Raw log-probabilities: log_softmax of the
+    target's logits before temperature and before top-k / top-p (vLLM's default).
     coupled: Gumbel-coupled acceptance: a seeded request emits exactly what seeded plain decoding
     emits, whatever the batch, policy or drafter; costs acceptance: P(x = y) >= (1 - TV)/(1 + TV)
     instead of 1 - TV (DESIGN §2, coupled sampling; greedy requests are unaffected).
@@ -39,11 +42,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool | int | None = None
     coupled: bool = False
     speculative: bool = True
     skip_special_tokens: bool = True
@@ -73,9 +76,16 @@ class SamplingParams:
             if not _integral(self.seed) or not 0 <= self.seed < _U64:
                 bad("seed", "must be None or an int in [0, 2**64)")
             self.seed = int(self.seed)
-        if not _integral(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an int >= 1")
-        self.max_tokens = int(self.max_tokens)
+        if self.max_tokens is not None:
+            if not _integral(self.max_tokens) or self.max_tokens < 1:
+                bad("max_tokens", "must be None (until the context ends) or an int >= 1")
+            self.max_tokens = int(self.max_tokens)
+        lp = self.logprobs
+        if lp is not None and not isinstance(lp, bool):
+            if not _integral(lp) or not 0 <= lp <= MAX_LOGPROBS:
+                bad("logprobs", f"must be None, a bool, or an int in [0, {MAX_LOGPROBS}] (top "
+                    "alternatives per token)")
+            self.logprobs = int(lp)
         if self.stop is None:
             self.stop = []
         if isinstance(self.stop, str):
@@ -91,13 +101,21 @@ class SamplingParams:
                 not all(_integral(i) and i >= 0 for i in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative ints")
         self.stop_token_ids = [int(i) for i in self.stop_token_ids]
-        for name in ("ignore_eos", "logprobs", "coupled", "speculative", "skip_special_tokens"):
+        for name in ("ignore_eos", "coupled", "speculative", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token when log-probabilities are asked for (True: 0), else None."""
+        lp = self.logprobs
+        if lp is None or lp is False:
+            return None
+        return 0 if lp is True else int(lp)
 
 
 def _has_surrogate(s: str) -> bool:

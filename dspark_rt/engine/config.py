@@ -27,3 +27,25 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got "
                              f"{self.enable_prefix_caching!r}")
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Caps on what Engine.reserve sizes for each batch (None: sized to the batch alone); the
+    Decoder sets them from vLLM's engine arguments. max_num_seqs: requests running at once (the
+    others wait); max_num_batched_tokens: target tokens per step (and per prefill chunk);
+    max_num_pages: KV pages per cache (gpu_memory_utilization); num_speculative_tokens: drafts
+    a request verifies per round at most (a cap that no drawn token moves: lossless)."""
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_pages: int | None = None
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self):
+        for name, v in vars(self).items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"EngineLimits.{name} must be None or a positive int, got {v!r}")
+
+    def cap(self, name: str, value: int) -> int:
+        limit = getattr(self, name)
+        return value if limit is None else min(value, limit)

@@ -22,7 +22,7 @@ from ..runner.round import Round, first_token
 from ..runner.state import RoundState
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, EngineLimits
 from .processing import Processor
 from .scheduler import RequestScheduler, all_tokens
 
@@ -44,15 +44,16 @@ class Engine:
     keywords. policy: the VerifyPolicy of dspark mode (other modes verify every draft);
     calibration: STS temperatures of the confidences. tokenizer, eos_token_ids: text in and out,
     stop tokens. seed: the Philox key of requests without their own; request_ids: the id (and
-    random stream) counter, shared by the Engines of one Decoder."""
+    random stream) counter, shared by the Engines of one Decoder. limits: an EngineLimits, the
+    caps reserve() keeps to."""
 
     def __init__(self, runner, config: EngineConfig | None = None, *, policy: VerifyPolicy | None = None,
                  calibration: Calibration | None = None, tokenizer=None, eos_token_ids=(),
-                 seed: int = 0, request_ids=None, **kwargs):
+                 seed: int = 0, request_ids=None, limits: EngineLimits | None = None, **kwargs):
         if config is not None and kwargs:
             raise ValueError(f"Engine: pass an EngineConfig or keywords, not both (got {sorted(kwargs)})")
         self.config = config if config is not None else EngineConfig(**kwargs)
-        self.runner = runner
+        self.runner, self.limits = runner, limits or EngineLimits()
         self.policy = policy if runner.mode == "dspark" and policy is not None else FixedPolicy()
         if self.policy.needs_confidence and not runner.has_confidence:
             raise ValueError(f"policy {self.policy.name!r} needs a confidence head, which this "
@@ -167,20 +168,22 @@ class Engine:
         preemption when short), unless one of these could never fit it: then the running
         requests finish first and the pool is resized. min_pages is capped by what the requests'
         contexts can use (a request never makes the pool larger than its context needs)."""
-        r = self.runner
-        seqs, budget = len(reqs), max(8192, len(reqs) * (1 + r.gamma))
+        r, cap = self.runner, self.limits.cap
+        seqs = cap("max_num_seqs", len(reqs))
+        budget = cap("max_num_batched_tokens", max(8192, len(reqs) * (1 + r.gamma)))
         busy = self.owns_caches and self.has_unfinished()
         if busy and any(self.pages_needed([q]) > self.num_pages for q in reqs):
             while self.has_unfinished():  # other threads' requests and open streams finish here
                 self.step()
             busy = False
         if busy:
-            seqs += len(self.requests)
-            budget = max(budget, seqs * (1 + r.gamma))
-        else:
-            need = self.pages_needed(reqs)
+            seqs = cap("max_num_seqs", seqs + len(self.requests))
+            budget = cap("max_num_batched_tokens", max(budget, seqs * (1 + r.gamma)))
+        else:  # pages for the `seqs` longest lifetimes (more never run at once)
+            need = self.pages_needed(sorted(reqs, key=lambda q: -self.pages_needed([q]))[:seqs])
             full = self.target_blocks.pages_for(r.max_len + r.block_size + r.gamma)
             need = max(min(min_pages, full * seqs), need + need // 50 + 1)  # + the watermark
+            need = cap("max_num_pages", need)  # a request that cannot fit it alone: add() says so
             if not self.owns_caches or self.num_pages < need:
                 self.resize(replace(self.config, num_pages=need, max_num_seqs=seqs,
                                     max_num_batched_tokens=budget, chunk_size=budget))
@@ -224,11 +227,11 @@ class Engine:
     def _batch(self, reqs) -> SeqBatch:
         """What the runner reads of these requests (caps: drafts each may verify, so that its
         target token fits max_tokens and the chain the context)."""
-        max_len = self.runner.max_len
+        max_len, spec = self.runner.max_len, self.limits.cap("num_speculative_tokens", self.runner.gamma)
         return SeqBatch([r.kv_len for r in reqs], [r.ctx_len for r in reqs],
                         [r.target_pages for r in reqs], [r.drafter_pages for r in reqs],
                         [r.anchor for r in reqs],
-                        [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len)) for r in reqs],
+                        [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len, spec)) for r in reqs],
                         SamplingBatch.of([r.params for r in reqs]), [r.seed for r in reqs],
                         [r.stream for r in reqs],
                         [len(r.output_ids) if r.params.coupled else r.round for r in reqs],

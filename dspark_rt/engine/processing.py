@@ -3,13 +3,22 @@ out, cut at stop tokens, stop strings, max_tokens and the context, with their lo
 speculative metrics and the RequestOutput. Owner of the Request's output fields (see request.py).
 """
 import numbers
+from typing import NamedTuple
 
 import torch
 
-from ..outputs import RequestOutput, SpecMetrics
+from ..outputs import CompletionOutput, Logprob, RequestOutput, SpecMetrics
 from ..sampling_params import SamplingParams
 from ..checkpoint.tokenizer import IncrementalText
 from .request import Request
+
+
+class TokenLogprobs(NamedTuple):
+    """One emitted token under the target: its log-probability, its rank in its row (vLLM's:
+    the tokens at least as likely, itself included) and the row's top alternatives."""
+    logprob: float
+    rank: int
+    top: tuple  # ((token id, logprob), ...), most likely first
 
 
 class Processor:
@@ -59,7 +68,8 @@ class Processor:
             raise ValueError(f"request {i}: prompt is empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {i}: prompt has {len(ids)} tokens, the model's context is "
-                             f"{self.max_model_len} (max_position_embeddings)")
+                             f"{self.max_model_len} (max_model_len, at most the target's "
+                             "max_position_embeddings)")
         bad = [t for t in params.stop_token_ids if t >= V]
         if bad:
             raise ValueError(f"request {i}: stop_token_ids must lie in [0, {V}), got {bad}")
@@ -69,31 +79,37 @@ class Processor:
         if params.seed is not None:
             seed, stream = params.seed, 0
         # the context caps the output, so the KV memory a request reserves is bounded by it
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return Request(request_id, text, ids, params, seed, stream, SpecMetrics(self.gamma), max_tokens)
 
     # -- out ---------------------------------------------------------------------------------
 
-    def commit(self, req: Request, tokens: list[int], logprobs: list[float] | None,
+    def commit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None,
                verified: int | None = None, nonfinite: bool = False):
         """Appends a round's emitted tokens (x_1 .. x_a, y), honouring stop tokens, stop
         strings, max_tokens and the context; records the round's metrics (verified: drafts
         verified, None for round 0; nonfinite: rejected at a draft whose q was NaN / inf)."""
         stops = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stops |= set(self.eos_token_ids)
+        eos = set() if req.params.ignore_eos else set(self.eos_token_ids)
         emitted = 0
         for j, t in enumerate(tokens):
             emitted += 1
             req.output_ids.append(t)
             if logprobs is not None:
-                req.logprobs.append(logprobs[j])
-            if t in stops:
+                req.logprobs.append(logprobs[j].logprob)
+                req.logprob_ranks.append(logprobs[j].rank)
+                req.top_logprobs.append(logprobs[j].top)
+            if t in stops:  # vLLM: stop_reason names a stop_token_ids entry, never the eos
+                req.finish_reason, req.stop_reason = "stop", t
+            elif t in eos:
                 req.finish_reason = "stop"
             elif req.remaining <= 0 or req.kv_len + j + 2 >= self.max_model_len:
                 req.finish_reason = "length"
-            if req.params.stop and self.tokenizer is not None and self._stop_string(req, t):
-                req.finish_reason = "stop"
+            if req.params.stop and self.tokenizer is not None:
+                hit = self._stop_string(req, t)
+                if hit is not None:
+                    req.finish_reason, req.stop_reason = "stop", hit
             if req.finished:
                 break
         if verified is not None and self.gamma and emitted:
@@ -112,37 +128,49 @@ class Processor:
         """The request ends with finish_reason "error" and the reason."""
         req.finish_reason, req.error = "error", why
 
-    def _stop_string(self, req: Request, token: int) -> bool:
+    def _stop_string(self, req: Request, token: int) -> str | None:
         """Feeds one emitted token to the request's incremental text; on the first stop string
-        the text is cut before it. Only the newly settled text (and the stops' length before
-        it) is searched: earlier text held no stop."""
+        the text is cut before it, and that string is returned. Only the newly settled text
+        (and the stops' length before it) is searched: earlier text held no stop."""
         if req.detok is None:
             req.detok = IncrementalText(self.tokenizer, req.params.skip_special_tokens)
         new = req.detok.push(token)
         if not new:
-            return False
+            return None
         text = req.detok.text
         lo = max(0, len(text) - len(new) - max(len(s) for s in req.params.stop) + 1)
-        hits = [i for i in (text.find(s, lo) for s in req.params.stop) if i >= 0]
-        if hits:
-            req.text = text[: min(hits)]
-        return bool(hits)
+        hits = [(i, s) for i, s in ((text.find(s, lo), s) for s in req.params.stop) if i >= 0]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        req.text = text[:at]
+        return stop
 
-    def logprobs(self, reqs, tokens, logits, row_starts, to_host) -> dict[int, list[float]]:
-        """Raw target log-probabilities of the emitted tokens of the requests that asked, in one
-        device read (to_host) for the whole round: {index in reqs: [logprob per token]}."""
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs]
+    def logprobs(self, reqs, tokens, logits, row_starts, to_host) -> dict[int, list[TokenLogprobs]]:
+        """The target's raw log-probabilities of the emitted tokens of the requests that asked,
+        their ranks and their rows' top alternatives, in one device read (to_host) for the whole
+        round: {index in reqs: [TokenLogprobs per token]}. Row k of a request's verify chain is
+        the target's distribution of its k-th emitted token (row_starts[i] + k)."""
+        want = [i for i, r in enumerate(reqs) if r.params.num_logprobs is not None]
         if not want:
             return {}
         rows = [row_starts[i] + k for i in want for k in range(len(tokens[i]))]
         ids = [t for i in want for t in tokens[i]]
         dev = logits.device
-        picked = torch.log_softmax(logits[torch.tensor(rows, device=dev)].double(), dim=-1)
-        picked = picked.gather(1, torch.tensor(ids, device=dev)[:, None])[:, 0]
-        flat = to_host(picked).tolist()
+        lsm = torch.log_softmax(logits[torch.tensor(rows, device=dev)].double(), dim=-1)  # [n, V]
+        picked = lsm.gather(1, torch.tensor(ids, device=dev)[:, None])  # [n, 1]
+        cols = [picked, (lsm >= picked).sum(1, keepdim=True).double()]
+        N = min(max(reqs[i].params.num_logprobs for i in want), lsm.shape[1])
+        if N:
+            top = lsm.topk(N, dim=-1)
+            cols += [top.values, top.indices.double()]  # ids < 2**53: exact in float64
+        flat = to_host(torch.cat(cols, 1)).tolist()
         out, o = {}, 0
         for i in want:
-            out[i] = flat[o : o + len(tokens[i])]
+            n_top = min(reqs[i].params.num_logprobs, N)
+            out[i] = [TokenLogprobs(row[0], int(row[1]),
+                                    tuple(zip(map(int, row[2 + N : 2 + N + n_top]), row[2 : 2 + n_top])))
+                      for row in flat[o : o + len(tokens[i])]]
             o += len(tokens[i])
         return out
 
@@ -151,6 +179,23 @@ class Processor:
         if text is None:
             text = "" if self.tokenizer is None else self.tokenizer.decode(
                 r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, text, list(r.output_ids),
-                             r.finish_reason or "length",
-                             list(r.logprobs) if r.params.logprobs else None, r.metrics, r.error)
+        asked = r.params.num_logprobs is not None
+        done = r.finish_reason is not None
+        completion = CompletionOutput(0, text, list(r.output_ids),
+                                      sum(r.logprobs) if asked else None,
+                                      self._logprob_dicts(r) if asked else None,
+                                      r.finish_reason, r.stop_reason if done else None)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], done, r.metrics,
+                             r.error)
+
+    def _logprob_dicts(self, r: Request) -> list[dict[int, Logprob]]:
+        """vLLM's per-token {token id: Logprob}: the sampled token, then the top alternatives
+        (ranks 1..N; a sampled token among them keeps the entry of its place there)."""
+        piece = (lambda t: None) if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))
+        out = []
+        for t, lp, rank, top in zip(r.output_ids, r.logprobs, r.logprob_ranks, r.top_logprobs):
+            d = {t: Logprob(lp, rank, piece(t))}
+            for k, (tid, v) in enumerate(top, 1):
+                d[tid] = Logprob(v, k, piece(tid))
+            out.append(d)
+        return out

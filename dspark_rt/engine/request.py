@@ -24,7 +24,7 @@ class Request:
     seed: int          # uint64 Philox key
     stream: int        # Philox stream id (0 for a request with its own seed)
     metrics: SpecMetrics
-    max_tokens: int    # params.max_tokens capped by the context left after the prompt
+    max_tokens: int    # params.max_tokens capped by (None: all of) the context left after the prompt
     # scheduler
     kv_len: int = 0
     ctx_len: int = 0
@@ -33,9 +33,12 @@ class Request:
     drafter_pages: list[int] = field(default_factory=list)
     # processor (and the engine's abort / error)
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the emitted tokens' (when asked)
+    logprob_ranks: list[int] = field(default_factory=list)  # ... their ranks in their rows
+    top_logprobs: list[tuple] = field(default_factory=list)  # ((id, logprob), ...) per token
     round: int = 0     # rounds run, round 0 (the token after the prompt) included
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it
     error: str | None = None  # why the request failed (finish_reason "error")
     text: str | None = None  # the text cut before a stop string (None: decode output_ids)
     detok: object = None  # tokenizer.IncrementalText, when stop strings are checked

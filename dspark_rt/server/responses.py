@@ -27,14 +27,14 @@ def spec_metrics(m: SpecMetrics) -> dict:
     target's own token: 1 + accepted / steps (1.0 without steps). num_rounds: every round."""
     steps = drafted_rounds(m)
     return {"speculative_decoding": {
-        "mean_acceptance_length": 1 + m.num_accepted_tokens / steps if steps else 1.0,
+        "mean_acceptance_length": 1 + m.num_accepted_draft_tokens / steps if steps else 1.0,
         "draft_acceptance_rate": m.draft_acceptance_rate,
         "acceptance_histogram": list(m.acceptance_histogram),
         "num_spec_steps": steps,
         "num_rounds": m.num_rounds,
-        "num_accepted_draft_tokens": m.num_accepted_tokens,
+        "num_accepted_draft_tokens": m.num_accepted_draft_tokens,
         "num_draft_tokens": m.num_draft_tokens,
-        "num_accepted_tokens_per_pos": list(m.accepted_by_position),
+        "num_accepted_tokens_per_pos": list(m.num_accepted_tokens_per_pos),
         "num_nonfinite_drafts": m.num_nonfinite_drafts,
     }}
 

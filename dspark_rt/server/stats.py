@@ -117,17 +117,17 @@ class StepStats:
             if s.num_rounds == seen.rounds:
                 continue
             w["drafts"] += drafts - seen.drafts
-            w["accepted"] += s.num_accepted_tokens - seen.accepted
+            w["accepted"] += s.num_accepted_draft_tokens - seen.accepted
             if m is not None:
                 m.rounds.inc(s.num_rounds - seen.rounds)
                 m.drafts.inc(drafts - seen.drafts)
                 m.draft_tokens.inc(s.num_draft_tokens - seen.draft_tokens)
-                m.accepted.inc(s.num_accepted_tokens - seen.accepted)
-                old = seen.per_pos or (0,) * len(s.accepted_by_position)
-                for c, now, before in zip(m.accepted_per_pos, s.accepted_by_position, old):
+                m.accepted.inc(s.num_accepted_draft_tokens - seen.accepted)
+                old = seen.per_pos or (0,) * len(s.num_accepted_tokens_per_pos)
+                for c, now, before in zip(m.accepted_per_pos, s.num_accepted_tokens_per_pos, old):
                     c.inc(now - before)
-            sub.seen = _Seen(s.num_rounds, drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                             tuple(s.accepted_by_position))
+            sub.seen = _Seen(s.num_rounds, drafts, s.num_draft_tokens, s.num_accepted_draft_tokens,
+                             tuple(s.num_accepted_tokens_per_pos))
 
     def state(self):
         """Gauges after a step (or an abort): queue lengths and KV-cache usage."""

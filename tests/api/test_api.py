@@ -20,7 +20,7 @@ def dec(tiny_target, tiny_drafters):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("temperature", float("nan")), ("temperature", 1e-5),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5), ("seed", -1), ("seed", 2**64),
-    ("max_tokens", 0), ("stop", [""]), ("stop_token_ids", [-3]), ("logprobs", 2),
+    ("max_tokens", 0), ("stop", [""]), ("stop_token_ids", [-3]), ("logprobs", -1),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
@@ -159,10 +159,10 @@ def test_metrics_are_consistent(dec):
     for o in outs:
         m = o.metrics
         assert sum(m.acceptance_histogram) == m.num_rounds
-        assert sum(i * c for i, c in enumerate(m.acceptance_histogram)) == m.num_accepted_tokens
-        assert m.num_accepted_tokens <= m.num_draft_tokens
+        assert sum(i * c for i, c in enumerate(m.acceptance_histogram)) == m.num_accepted_draft_tokens
+        assert m.num_accepted_draft_tokens <= m.num_draft_tokens
         # emitted tokens = first token + accepted + one per round (minus a possible truncation)
-        assert len(o.token_ids) <= 1 + m.num_accepted_tokens + m.num_rounds
+        assert len(o.token_ids) <= 1 + m.num_accepted_draft_tokens + m.num_rounds
         assert 1.0 <= m.mean_acceptance_length <= m.gamma + 1
         assert all(math.isnan(x) or 0 <= x <= 1 for x in m.acceptance_by_position)
 

@@ -147,10 +147,10 @@ def test_metrics_count_only_emitted_tokens(shipped):
         assert len(out.token_ids) == k + 1
         m = out.metrics
         # round 0 emits one token; every later round emits accepted + 1
-        assert 1 + m.num_rounds + m.num_accepted_tokens == len(out.token_ids), k
+        assert 1 + m.num_rounds + m.num_accepted_draft_tokens == len(out.token_ids), k
         assert sum(m.acceptance_histogram) == m.num_rounds
-        assert m.num_accepted_tokens <= m.num_draft_tokens
-        assert all(a <= v for a, v in zip(m.accepted_by_position, m.verified_by_position))
+        assert m.num_accepted_draft_tokens <= m.num_draft_tokens
+        assert all(a <= v for a, v in zip(m.num_accepted_tokens_per_pos, m.verified_by_position))
 
 
 # -- 6. special tokens are not in the text by default -----------------------------------------

@@ -18,7 +18,7 @@ LAYERS = [
     ("runner", ["runner"]),
     ("tensor parallelism", ["parallel"]),
     ("engine", ["engine"]),
-    ("facade", ["decoder", ""]),  # "": the package's own __init__ (the public names)
+    ("facade", ["decoder", "engine_args", "inputs", "llm", ""]),  # "": the package's own __init__ (the public names)
     ("HTTP server", ["server"]),
     ("command-line tools", ["tools"]),  # `serve` starts the server
     ("training", ["train"]),  # its command line reuses the tools' argument checks
