@@ -153,4 +153,5 @@ class Processor:
                 r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, text, list(r.output_ids),
                              r.finish_reason or "length",
-                             list(r.logprobs) if r.params.logprobs else None, r.metrics, r.error)
+                             list(r.logprobs) if r.params.logprobs else None, r.metrics, r.error,
+                             r.prompt_logprobs)
