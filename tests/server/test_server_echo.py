@@ -161,6 +161,24 @@ def test_vllm_prompt_logprobs_field(server, ref, kind):
         assert rank is None or rank == 1 + (row > row[ids[p]]).sum().item()
 
 
+def test_both_fields_cut_to_their_own_n(server, ref):
+    """echo's logprobs 1 and prompt_logprobs 4 in one request: the engine computes the top 4
+    once; the legacy entries keep the prompt token and the top 1, the vLLM field the top 4."""
+    r = httpx.post(f"{server.url}/v1/completions", json={
+        "model": MODEL, "prompt": PROMPTS[4], "echo": True, "logprobs": 1, "prompt_logprobs": 4,
+        "max_tokens": 0, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    ids = ref.tokenizer.encode(PROMPTS[4])
+    lp = _full_lp(ref, ids)
+    for p in range(1, len(ids)):
+        best = lp[p - 1].argmax().item()
+        assert c["logprobs"]["top_logprobs"][p] == {_piece(ref, ids[p]): lp[p - 1, ids[p]].item(),
+                                                    _piece(ref, best): lp[p - 1, best].item()}
+        assert set(c["prompt_logprobs"][p]) == {str(ids[p])} | {
+            str(t) for t in lp[p - 1].topk(4).indices.tolist()}
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({"prompt": "x", "logprobs": 2}, "logprobs", ["not served yet", "echo"]),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ["echo"]),
