@@ -185,8 +185,10 @@ def parse_completion(body, *, default_model: str) -> GenRequest:
     # is decoded (the prefill samples it anyway) and left out of the response
     max_tokens = _max_tokens(body, lo=0)
     if max_tokens == 0 and not echo:
-        raise bad("max_tokens", "0 is served with echo only (the prompt's log-probabilities, "
-                  "nothing generated)")
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        raise bad(name, "0 is served with echo only (the prompt's log-probabilities, nothing "
+                  "generated)")
     prompt_lp = _top(body, "prompt_logprobs")
     # the engine computes the prompt's top alternatives once, for the larger of the two asks
     want = [n for n in (prompt_lp, lp if echo else None) if n is not None]

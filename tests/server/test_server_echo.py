@@ -182,6 +182,8 @@ def test_both_fields_cut_to_their_own_n(server, ref):
 @pytest.mark.parametrize("body,param,words", [
     ({"prompt": "x", "logprobs": 2}, "logprobs", ["not served yet", "echo"]),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ["echo"]),
+    ({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 0}, "max_completion_tokens",
+     ["echo"]),
     ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs", ["at most 20"]),
     ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", [">= 0"]),
     ({"prompt": "x", "echo": "yes"}, "echo", ["true or false"]),
