@@ -148,6 +148,9 @@ class RequestOutput:
     finished: bool
     metrics: SpecMetrics
     error: str | None = None  # why the request failed, when finish_reason == "error"
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else {token_id:
+    # logprob} of the prompt token and the top N (the target's raw log_softmax, vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -50,6 +50,10 @@ class SamplingParams:
     coupled: bool = False
     speculative: bool = True
     skip_special_tokens: bool = True
+    # the target's raw log-probability of every prompt token given its prefix, and the top N
+    # alternatives (RequestOutput.prompt_logprobs, vLLM's shape); None: not computed. A request
+    # that asks is prefilled whole: a prefix-cache hit would skip the rows it reads
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.check()
@@ -104,6 +108,10 @@ class SamplingParams:
         for name in ("ignore_eos", "coupled", "speculative", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        if self.prompt_logprobs is not None:
+            if not _integral(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20:
+                bad("prompt_logprobs", "must be None or an int in [0, 20] (vLLM's max_logprobs)")
+            self.prompt_logprobs = int(self.prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

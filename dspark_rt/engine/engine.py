@@ -13,14 +13,17 @@ import itertools
 import threading
 from dataclasses import dataclass, replace
 
+import torch
 from tqdm.auto import tqdm
 
 from ..outputs import RequestOutput, SpecMetrics
 from ..policies import Calibration, FixedPolicy, VerifyPolicy
 from ..batch import SamplingBatch, SeqBatch
 from ..runner.round import Round, first_token
+from ..runner.runner import prefill_rows
 from ..runner.state import RoundState
 from ..sampling_params import SamplingParams
+from . import prompt_logprobs
 from .block_manager import BlockManager
 from .config import EngineConfig, EngineLimits
 from .processing import Processor
@@ -240,10 +243,18 @@ class Engine:
     def _prefill(self, chunks) -> dict:
         reqs = [c.req for c in chunks]
         batch = self._batch(reqs)
+        # requests that asked for prompt log-probabilities read every row of their chunks
+        every = [r.needs_prompt_rows for r in reqs]
         logits = self.runner.prefill(batch, [c.start for c in chunks], [c.end for c in chunks],
                                      [list(all_tokens(c.req)[c.start:c.end]) for c in chunks],
                                      [min(c.num_tokens, max(0, c.target_from - c.start))
-                                      for c in chunks])
+                                      for c in chunks], every if any(every) else None)
+        if any(every):
+            first, last = prefill_rows([c.num_tokens for c in chunks], every)
+            prompt_logprobs.record([c for c, e in zip(chunks, every) if e],
+                                   [f for f, e in zip(first, every) if e], logits,
+                                   self.runner.to_host)
+            logits = logits[self.runner.upload(last, torch.int64)]
         for c in chunks:  # a request resumed after preemption keeps its anchor: nothing to sample
             self.scheduler.prefilled(c)
         first = [i for i, c in enumerate(chunks) if c.is_last and not c.req.output_ids]

@@ -186,7 +186,7 @@ class Processor:
                                       self._logprob_dicts(r) if asked else None,
                                       r.finish_reason, r.stop_reason if done else None)
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], done, r.metrics,
-                             r.error)
+                             r.error, r.prompt_logprobs)
 
     def _logprob_dicts(self, r: Request) -> list[dict[int, Logprob]]:
         """vLLM's per-token {token id: Logprob}: the sampled token, then the top alternatives

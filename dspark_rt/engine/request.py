@@ -42,10 +42,19 @@ class Request:
     error: str | None = None  # why the request failed (finish_reason "error")
     text: str | None = None  # the text cut before a stop string (None: decode output_ids)
     detok: object = None  # tokenizer.IncrementalText, when stop strings are checked
+    # engine prefill (prompt_logprobs.py): per prompt position, None or {token_id: logprob}
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Whether the next prefill must compute every prompt position's logits (prompt
+        log-probabilities asked and not yet complete): the scheduler then skips the prefix
+        cache, whose hit would skip those positions."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def anchor(self) -> int:

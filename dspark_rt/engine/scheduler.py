@@ -35,6 +35,7 @@ class SchedRequest:
     ctx_deferred: bool = False
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
+    needs_prompt_rows: bool = False  # every prefill position's logits are read: no prefix hit
 
 
 @dataclass
@@ -319,9 +320,11 @@ class RequestScheduler:
     def _admit(self, req, budget: int, out: SchedulerOutput) -> bool:
         rid, toks, plen = req.request_id, all_tokens(req), prefill_len(req)
         # Keep the last prefill position uncached: its logits (or at least one forward) are
-        # needed. The drafter may hit less (pages evicted, caching off, another page size); its
-        # hit is cut to the target's and the chunk starts there: ctx <= kv (see PrefillChunk).
-        t_pages = self.target.lookup_prefix(toks, plen - 1)
+        # needed; all of them when the request reads every position's logits (prompt
+        # log-probabilities: recomputing a hit costs the same forward as bypassing it). The
+        # drafter may hit less (pages evicted, caching off, another page size); its hit is cut
+        # to the target's and the chunk starts there: ctx <= kv (see PrefillChunk).
+        t_pages = self.target.lookup_prefix(toks, 0 if req.needs_prompt_rows else plen - 1)
         kv = len(t_pages) * self.target.page_size
         d_pages = [] if self.drafter is None else self.drafter.lookup_prefix(toks, kv)
         ctx = kv if self.drafter is None else len(d_pages) * self.drafter.page_size

@@ -62,9 +62,9 @@ class ParallelRunner(Runner):
         with self._leading("allocate_caches", num_pages):
             super().allocate_caches(num_pages)
 
-    def prefill(self, batch, starts, ends, tokens, shared=None):
-        with self._leading("prefill", batch, starts, ends, tokens, shared):
-            return super().prefill(batch, starts, ends, tokens, shared)
+    def prefill(self, batch, starts, ends, tokens, shared=None, every_row=None):
+        with self._leading("prefill", batch, starts, ends, tokens, shared, every_row):
+            return super().prefill(batch, starts, ends, tokens, shared, every_row)
 
     def run_round(self, round_, batch, decision, policy, calibration, state):
         # the workers get the round's decision, never the policy or the round state: a policy's

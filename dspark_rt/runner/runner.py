@@ -39,6 +39,18 @@ def _chains(tables: np.ndarray, starts, counts, page_size: int):
     return req, offset, positions, slots
 
 
+def prefill_rows(counts, every_row=None) -> tuple[list[int], list[int]]:
+    """Where Runner.prefill puts each chunk's logits rows: (first row of each chunk, its last
+    row). A chunk of counts[i] positions has counts[i] rows with every_row[i], else one."""
+    first, last, o = [], [], 0
+    for i, n in enumerate(counts):
+        k = n if every_row is not None and every_row[i] else 1
+        first.append(o)
+        o += k
+        last.append(o - 1)
+    return first, last
+
+
 @dataclass
 class Draft:
     """Steps 1-3 of a round: drafts x_1..x_gamma [R, gamma] int64, the corrected draft logits z
@@ -243,22 +255,28 @@ class Runner:
 
     # -- forwards ----------------------------------------------------------------------------
 
-    def prefill(self, batch: SeqBatch, starts, ends, tokens, shared=None) -> torch.Tensor:
+    def prefill(self, batch: SeqBatch, starts, ends, tokens, shared=None,
+                every_row=None) -> torch.Tensor:
         """Runs tokens[i] at positions starts[i] .. ends[i]-1 of each request through the target
         and, with a drafter, their features into its context (positions starts[i].. as well).
-        Returns the logits of each chunk's last position [R, V]. shared[i]: how many leading
-        positions of chunk i already sit in prefix-cached target pages: they are recomputed only
-        for their features, and their K/V is not written (slot -1), since other requests may be
-        reading those pages."""
+        Returns the logits of each chunk's last position [R, V]; with every_row[i] True, those
+        of every position of chunk i instead (rows in chunk order: prefill_rows gives where
+        each chunk's rows start and its last row). shared[i]: how many leading positions of
+        chunk i already sit in prefix-cached target pages: they are recomputed only for their
+        features, and their K/V is not written (slot -1), since other requests may be reading
+        those pages."""
         counts = [e - s for s, e in zip(starts, ends)]
         meta, pos, cu = self.meta(batch.target_pages, starts, counts, True)
         for i, n in enumerate(shared or []):
             if n:
                 meta.slot_mapping[cu[i] : cu[i] + n] = -1
         ids = self.upload([t for chunk in tokens for t in chunk], torch.int64)
-        last = self.upload([c - 1 for c in cu[1:]], torch.int64)
+        rows = [c - 1 for c in cu[1:]]
+        if every_row is not None and any(every_row):
+            rows = [r for i in range(len(counts))
+                    for r in (range(cu[i], cu[i + 1]) if every_row[i] else (cu[i + 1] - 1,))]
         logits, feats = self.target.forward(ids, pos, meta, self.tcache, capture_layers=self.capture,
-                                            logits_rows=last)
+                                            logits_rows=self.upload(rows, torch.int64))
         if self.drafter is not None:
             self.context_update(batch.drafter_pages, starts, counts, feats, cu[:-1])
         return logits.to(self.logits_dtype)

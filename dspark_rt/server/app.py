@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from .engine_loop import EngineLoop
 from .metrics import Metrics
+from .prompt_logprobs import Prompt
 from .protocol import APIError, GenRequest, parse_chat, parse_completion
 from .responses import DONE, Body, spec_metrics, sse
 from .tokenize import detokenize, tokenize
@@ -170,7 +171,7 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
     body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop,
                 g.params.skip_special_tokens, include_stop_str=g.include_stop_str,
                 usage_every_chunk=g.include_usage and g.continuous_usage,
-                prompt_tokens=sub.prompt_tokens)
+                prompt_tokens=sub.prompt_tokens, prompt=_prompt(state, g, sub))
     if g.stream:
         return StreamingResponse(_stream(state, sub, body, g.include_usage),
                                  media_type="text/event-stream")
@@ -191,6 +192,18 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
     return body.full(ev.output)
 
 
+def _prompt(state: ServerState, g: GenRequest, sub) -> Prompt | None:
+    """What the response shows of the prompt (echo, vLLM's prompt_logprobs), or None."""
+    if not (g.echo or g.prompt_logprobs is not None):
+        return None
+    ids = list(sub.req.prompt_ids)
+    text = g.prompt if isinstance(g.prompt, str) else (
+        state.tokenizer.decode(ids, skip_special_tokens=g.params.skip_special_tokens)
+        if state.tokenizer is not None else "")
+    return Prompt(text, ids, g.echo, g.top_logprobs, g.prompt_logprobs, g.params.prompt_logprobs,
+                  g.score_only)
+
+
 def _failed(ev) -> APIError:
     """The error of a request the engine failed (500) or could not finish: it is down (503)."""
     return APIError(ev.status, ev.error or "the request was dropped",
@@ -206,10 +219,15 @@ async def _collect(state: ServerState, sub):
 
 
 async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
-    done = False
+    done, head = False, body.prompt is not None
     try:
         while True:
             ev = await sub.events.get()
+            if head and ev.error is None and (ev.output is not None or not ev.finished):
+                # the prompt's chunk first: its log-probabilities came with the first tokens
+                yield sse(body.head(ev.output.prompt_logprobs if ev.output is not None
+                                    else ev.prompt_logprobs))
+                head = False
             if ev.finished:
                 done = True
                 break

@@ -36,6 +36,7 @@ class Event:
     output: object = None   # outputs.RequestOutput
     error: str | None = None
     status: int = 500       # the HTTP status of an error
+    prompt_logprobs: list | None = None  # on a request's first Event, when it asked for them
 
 
 @dataclass(eq=False)
@@ -53,6 +54,7 @@ class Submission:
     prompt_tokens: int = 0
     req: object = None       # engine.request.Request
     sent_logprobs: int = 0   # log-probabilities already handed out
+    sent_events: int = 0     # Events handed out
     cancelled: bool = False  # the client went away before the request was queued
 
 
@@ -225,12 +227,17 @@ class EngineLoop:
         if sub.params.logprobs:
             lps = list(sub.req.logprobs[sub.sent_logprobs : sub.sent_logprobs + len(new_ids)])
             sub.sent_logprobs += len(new_ids)
+        prompt_lps = None
+        if not sub.sent_events and sub.params.prompt_logprobs is not None:
+            prompt_lps = sub.req.prompt_logprobs  # complete once the prefill emitted a token
+        sub.sent_events += 1
         if finished:
             del self._live[sub.request_id]
             if output is not None:
                 self._finished(sub, output)  # counters first: a client that sees its
                 # response and then reads /metrics finds its request counted
-        _post(sub.loop, sub.events.put_nowait, Event(list(new_ids), lps, finished, output, error))
+        _post(sub.loop, sub.events.put_nowait, Event(list(new_ids), lps, finished, output, error,
+                                                     prompt_logprobs=prompt_lps))
 
     def _finished(self, sub: Submission, out):
         sub.times.left = time.monotonic()

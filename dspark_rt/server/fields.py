@@ -32,7 +32,7 @@ _SAMPLER = "not served yet: it changes the target distribution, so the draft's q
 SERVED_COMMON = {
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "speculative",
-    "skip_special_tokens", "include_stop_str_in_output", "logprobs",
+    "skip_special_tokens", "include_stop_str_in_output", "logprobs", "prompt_logprobs",
 }
 
 # sent by clients and SDKs on every request; nothing generated depends on them
@@ -50,7 +50,6 @@ NEUTRAL_COMMON = {
     "min_p": Neutral((0,), f"min_p is {_SAMPLER}"),
     "allowed_token_ids": Neutral(((),), f"allowed_token_ids is {_SAMPLER}"),
     "bad_words": Neutral(((),), f"bad_words is {_SAMPLER}"),
-    "prompt_logprobs": Neutral((), f"prompt_logprobs is {_LATER} (needs the prefill's logits)"),
     "use_beam_search": Neutral((False,), f"beam search is {_LATER}"),
     "length_penalty": Neutral((1,), f"length_penalty (beam search) is {_LATER}"),
     "response_format": Neutral(({"type": "text"},), f"structured output is {_LATER}; only "
@@ -71,10 +70,9 @@ NEUTRAL_COMMON = {
 # -- per endpoint ----------------------------------------------------------------------------
 
 COMPLETION = dict(
-    served=SERVED_COMMON | {"prompt"},
+    served=SERVED_COMMON | {"prompt", "echo"},
     inert=INERT_COMMON,
     neutral=NEUTRAL_COMMON | {
-        "echo": Neutral((False,), f"echo is {_LATER} (needs the prompt's log-probabilities)"),
         "suffix": Neutral(("",), "suffix (fill-in-the-middle) is not served"),
     },
 )

@@ -31,6 +31,10 @@ class GenRequest:
     prompt_field: str             # "prompt" | "messages": what a bad prompt is reported as
     include_stop_str: bool = False     # the stop string that ended the text stays in it
     continuous_usage: bool = False     # every stream chunk carries the usage so far
+    echo: bool = False                 # completions: the prompt's text (and logprobs) first
+    score_only: bool = False           # max_tokens 0 with echo: the prompt alone, nothing emitted
+    top_logprobs: int = 0              # completions' logprobs N: prompt tokens' top alternatives
+    prompt_logprobs: int | None = None  # the vLLM field: N, or None when not asked
 
 
 # -- field readers ---------------------------------------------------------------------------
@@ -84,10 +88,27 @@ def _stop(body):
 _PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
-def _sampling(body, max_tokens_default, logprobs: bool) -> SamplingParams:
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
+
+
+def _max_tokens(body, lo: int = 1):
     # both given: max_completion_tokens wins (vLLM's order; OpenAI deprecated max_tokens)
-    max_tokens = _int(body, "max_tokens", None, lo=1)
-    max_tokens = _int(body, "max_completion_tokens", max_tokens, lo=1)
+    max_tokens = _int(body, "max_tokens", None, lo=lo)
+    return _int(body, "max_completion_tokens", max_tokens, lo=lo)
+
+
+def _top(body, name):
+    """A count of top alternatives: None or an int in [0, MAX_LOGPROBS]."""
+    v = _int(body, name, None, lo=0)
+    if v is not None and v > MAX_LOGPROBS:
+        raise bad(name, f"must be at most {MAX_LOGPROBS} (top alternatives per token), got {v}")
+    return v
+
+
+def _sampling(body, max_tokens_default, logprobs: bool, prompt_logprobs=None,
+              max_tokens=None) -> SamplingParams:
+    if max_tokens is None:
+        max_tokens = _max_tokens(body)
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", f"must be a list of non-negative integers, got {stop_ids!r}")
@@ -99,7 +120,8 @@ def _sampling(body, max_tokens_default, logprobs: bool) -> SamplingParams:
             max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
             stop=_stop(body), stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs, speculative=_bool(body, "speculative", True),
-            skip_special_tokens=_bool(body, "skip_special_tokens", True))
+            skip_special_tokens=_bool(body, "skip_special_tokens", True),
+            prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # SamplingParams names the field: report it under the API's name
         m = _PARAM.search(str(e))
         field = m.group(1) if m else "request"
@@ -153,17 +175,30 @@ def parse_completion(body, *, default_model: str) -> GenRequest:
         raise APIError(400, "the request body must be a JSON object")
     check_fields(body, COMPLETION)
     prompt = prompt_of(body)
-    lp = body.get("logprobs")
-    if lp is not None and (not _is_int(lp) or lp < 0):
-        raise bad("logprobs", f"must be an integer >= 0, got {lp!r}")
-    if lp:
-        raise bad("logprobs", f"top alternatives are not served yet: only logprobs = 0 (the "
-                  f"sampled token's log-probability), got {lp}")
+    echo = _bool(body, "echo", False)
+    lp = _top(body, "logprobs")
+    if lp and not echo:
+        raise bad("logprobs", f"top alternatives of generated tokens are not served yet: only "
+                  f"logprobs = 0 (the sampled token's log-probability), or any N up to "
+                  f"{MAX_LOGPROBS} with echo (the prompt tokens' top N), got {lp}")
+    # max_tokens 0 with echo scores the prompt (lm-eval's log-likelihood requests): one token
+    # is decoded (the prefill samples it anyway) and left out of the response
+    max_tokens = _max_tokens(body, lo=0)
+    if max_tokens == 0 and not echo:
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        raise bad(name, "0 is served with echo only (the prompt's log-probabilities, nothing "
+                  "generated)")
+    prompt_lp = _top(body, "prompt_logprobs")
+    # the engine computes the prompt's top alternatives once, for the larger of the two asks
+    want = [n for n in (prompt_lp, lp if echo else None) if n is not None]
     stream = _stream(body)
-    want = lp is not None
-    return GenRequest("completion", _model(body, default_model), prompt,
-                      _sampling(body, 16, want), stream[0], stream[1], want, "prompt",
-                      **_options(body, stream))
+    params = _sampling(body, 16, lp is not None, max(want) if want else None,
+                       1 if max_tokens == 0 else max_tokens)
+    return GenRequest("completion", _model(body, default_model), prompt, params, stream[0],
+                      stream[1], lp is not None, "prompt", **_options(body, stream), echo=echo,
+                      score_only=max_tokens == 0, top_logprobs=lp or 0,
+                      prompt_logprobs=prompt_lp)
 
 
 def _message(i, m) -> dict:
@@ -239,8 +274,9 @@ def parse_chat(body, *, default_model: str, tokenizer, max_model_len: int) -> Ge
         raise bad("top_logprobs", f"top alternatives are not served yet: only 0 (the sampled "
                   f"token's log-probability), got {top}")
     prompt = render_chat(body, tokenizer)
+    prompt_lp = _top(body, "prompt_logprobs")
     stream = _stream(body)
     # without max_tokens a chat answer runs to a stop token or the end of the context
     return GenRequest("chat", _model(body, default_model), prompt,
-                      _sampling(body, max_model_len, logprobs), stream[0], stream[1], logprobs,
-                      "messages", **_options(body, stream))
+                      _sampling(body, max_model_len, logprobs, prompt_lp), stream[0], stream[1],
+                      logprobs, "messages", **_options(body, stream), prompt_logprobs=prompt_lp)

@@ -13,6 +13,7 @@ import uuid
 
 from ..outputs import RequestOutput, SpecMetrics
 from ..checkpoint.tokenizer import IncrementalText
+from . import prompt_logprobs
 from .stats import drafted_rounds
 
 
@@ -59,14 +60,16 @@ class Logprobs:
     def _piece(self, t: int) -> str:
         return self.tok.decode([t]) if self.tok is not None else f"token_id:{t}"
 
-    def completion(self, ids, logprobs, offset: int = 0) -> dict:
+    def completion(self, ids, logprobs, offset: int = 0, top: int = 0) -> dict:
+        """top > 0 (echo's logprobs N): the generated tokens' top alternatives are not computed
+        (null entries); the prompt's are (prompt_logprobs.legacy)."""
         pieces = [self._piece(t) for t in ids]
         offsets, o = [], offset
         for p in pieces:
             offsets.append(o)
             o += len(p)
         return {"tokens": pieces, "token_logprobs": list(logprobs),
-                "top_logprobs": [{} for _ in pieces], "text_offset": offsets}
+                "top_logprobs": [None if top else {} for _ in pieces], "text_offset": offsets}
 
     def chat(self, ids, logprobs) -> dict:
         content = []
@@ -82,11 +85,12 @@ class Body:
     skip_special_tokens: the request's SamplingParams fields (the stream's text is decoded as
     the engine decodes the whole text); include_stop_str: the stop string that ended the text
     stays in it; usage_every_chunk: each chunk carries the usage so far (prompt_tokens: the
-    prompt's length)."""
+    prompt's length). prompt: a server.prompt_logprobs.Prompt when the request echoes its prompt
+    or asked for vLLM's prompt_logprobs field."""
 
     def __init__(self, kind: str, model: str, tokenizer, want_logprobs: bool, stops,
                  skip_special_tokens: bool, *, include_stop_str: bool = False,
-                 usage_every_chunk: bool = False, prompt_tokens: int = 0):
+                 usage_every_chunk: bool = False, prompt_tokens: int = 0, prompt=None):
         self.kind, self.model, self.id = kind, model, new_id(kind)
         self.created = int(time.time())
         self.lp = Logprobs(tokenizer) if want_logprobs else None
@@ -97,6 +101,10 @@ class Body:
         self.prompt_tokens, self.num_tokens = prompt_tokens, 0
         self.sent = ""        # text streamed so far
         self.first = True
+        self.prompt = prompt
+        # generated text (and its logprobs' offsets) follows the echoed prompt
+        self.echo = prompt.text if prompt is not None and prompt.echo else ""
+        self.score_only = prompt is not None and prompt.score_only
 
     def final_text(self, out: RequestOutput) -> str:
         """The output's text, with the stop string that ended it when include_stop_str (the
@@ -124,13 +132,34 @@ class Body:
     def _logprobs(self, ids, lps, offset):
         if self.lp is None or lps is None:
             return None
-        return self.lp.chat(ids, lps) if self.kind == "chat" else self.lp.completion(ids, lps, offset)
+        if self.kind == "chat":
+            return self.lp.chat(ids, lps)
+        top = self.prompt.top if self.prompt is not None and self.prompt.echo else 0
+        return self.lp.completion(ids, lps, len(self.echo) + offset, top)
+
+    def _with_prompt(self, choice: dict, lp, entries, root: dict) -> None:
+        """Echo's prompt part in front of the choice's logprobs, and vLLM's prompt_logprobs
+        field (completions: in the choice; chat: at the root, as vLLM puts them)."""
+        p = self.prompt
+        if p is None:
+            return
+        piece = Logprobs(self.tok)._piece
+        if entries is None:  # a request aborted or failed before its prefill ended
+            entries = [None] * len(p.ids)
+        if p.echo and self.lp is not None:
+            head = prompt_logprobs.legacy(piece, p.ids, entries, p.top)
+            lp = lp or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            choice["logprobs"] = {k: head[k] + lp[k] for k in head}
+        if p.field is not None:
+            v = prompt_logprobs.vllm(piece, p.ids, entries, p.field, p.computed)
+            (root if self.kind == "chat" else choice)["prompt_logprobs"] = v
 
     # -- whole response ----------------------------------------------------------------------
 
     def full(self, out: RequestOutput) -> dict:
-        lp = self._logprobs(out.token_ids, out.logprobs, 0)
-        text = self.final_text(out)
+        ids, lps = ([], []) if self.score_only else (out.token_ids, out.logprobs)
+        lp = self._logprobs(ids, lps, 0)
+        text = self.echo + ("" if self.score_only else self.final_text(out))
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": lp, "finish_reason": finish_reason(out)}
@@ -138,7 +167,8 @@ class Body:
             choice = {"index": 0, "text": text, "logprobs": lp,
                       "finish_reason": finish_reason(out)}
         body = self._root(False, [choice])
-        body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
+        self._with_prompt(choice, lp, out.prompt_logprobs, body)
+        body["usage"] = usage(len(out.prompt_token_ids), len(ids))
         body["metrics"] = spec_metrics(out.metrics)
         return body
 
@@ -159,9 +189,20 @@ class Body:
             body["usage"] = usage(self.prompt_tokens, self.num_tokens)
         return body
 
+    def head(self, entries) -> dict | None:
+        """The stream's first chunk when the request echoes its prompt or asked for vLLM's
+        prompt_logprobs: the prompt's text and log-probabilities (entries: the engine's)."""
+        if self.prompt is None:
+            return None
+        chunk = self._chunk(self.echo, [], [] if self.lp is not None else None)
+        self._with_prompt(chunk["choices"][0], chunk["choices"][0]["logprobs"], entries, chunk)
+        return chunk
+
     def delta(self, new_ids, logprobs) -> dict | None:
         """The chunk of one step's new tokens (None when nothing is to be sent yet).
         logprobs: those tokens' log-probabilities, when asked for."""
+        if self.score_only:
+            return None
         ready = self.sent
         self.num_tokens += len(new_ids)
         if self.text is not None:
@@ -177,16 +218,18 @@ class Body:
 
     def last(self, new_ids, logprobs, out: RequestOutput) -> dict:
         """The final chunk: the rest of the final text and the finish reason."""
-        text = self.final_text(out)
+        text = "" if self.score_only else self.final_text(out)
         rest = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.num_tokens = len(out.token_ids)
+        self.num_tokens = 0 if self.score_only else len(out.token_ids)
+        if self.score_only:
+            new_ids, logprobs = [], ([] if logprobs is not None else None)
         chunk = self._chunk(rest, new_ids, logprobs, finish_reason(out))
         self.sent += rest
         return chunk
 
     def usage_chunk(self, out: RequestOutput) -> dict:
         body = self._root(True, [])
-        body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
+        body["usage"] = usage(len(out.prompt_token_ids), 0 if self.score_only else len(out.token_ids))
         body["metrics"] = spec_metrics(out.metrics)
         return body
 
