@@ -47,6 +47,7 @@ class SamplingParams:
     coupled: bool = False
     speculative: bool = True
     skip_special_tokens: bool = True
+    structured_outputs: object = None  # StructuredOutputsParams (dspark_rt.structured) or None
 
     def __post_init__(self):
         self.check()
@@ -94,6 +95,10 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "coupled", "speculative", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        from .structured.params import StructuredOutputsParams
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@
     draft    = runner.draft(...)            1-3. block forward, LM head, sequential + confidence head
     lengths  = policy.lengths(conf)         4.   how many drafts each request verifies
     logits   = runner.verify(chains)        5.   one ragged causal target forward
+    masks    = constraints.verify_masks(..)  5b.  grammar rows: state after the drafts before each
     accepted = rejection_sample(...)        6.   lossless acceptance, one host read
     state.commit(committed)                 7.   drafter context of anchor + accepted drafts
 
@@ -13,13 +14,17 @@ twice when the decision reads the confidences on the host (threshold, sync, auto
 decision (async) admits on the device and keeps the lengths there until the one read. The
 policy's lengths go through runner.decided: under tensor parallelism the leader's are used on
 every rank. What lives across rounds (deferred drafter context) is the RoundState's
-(runner/state.py); the round itself keeps nothing.
+(runner/state.py); the round itself keeps nothing. Grammar matchers (structured output) live
+in the runner's Constraints (constraints_of), keyed by request id.
 """
 from dataclasses import dataclass
+
+import time
 
 import torch
 
 from .. import ops
+from ..structured import Constraints
 from ..policies import Calibration, Decision, VerifyPolicy, device_lengths
 from ..batch import SeqBatch
 from .runner import Draft, Runner
@@ -94,9 +99,14 @@ class Round:
         plan = self.schedule(runner, batch, draft, decision, policy, calibration)
         # 5. one ragged causal target forward over all chains: P_0 .. P_l, and the features
         logits, feats = self.verify(runner, plan)
-        # 6. accept x_k w.p. min(1, P_{k-1}(x_k) / q_k(x_k)); emit y from the residual
-        #    max(0, P - q) at the first rejection, else the bonus y ~ P_l; one host read
-        raw, acc = self.accept(runner, batch, draft, plan, logits, rng)
+        # 5b. a grammar's P' = P * mask / Z: row k masked with the state after the committed
+        #    prefix and x_1 .. x_k (the walk stops at the first draft it refuses: P' = 0 there)
+        grammar, masks = self.constrain(runner, batch, draft, plan)
+        # 6. accept x_k w.p. min(1, P'_{k-1}(x_k) / q_k(x_k)); emit y from the residual
+        #    max(0, P' - q) at the first rejection, else the bonus y ~ P'_l; one host read
+        raw, acc = self.accept(runner, batch, draft, plan, logits, rng, masks)
+        if grammar is not None:  # the matchers advance by the emitted tokens x_1 .. x_a, y
+            constraints_of(runner).commit(batch.ids, grammar, acc.out_tokens, acc.num_accepted, acc.failed)
         # 7. drafter context of the committed positions: the anchor and the accepted drafts
         #    (a request that drafted nothing, when the state defers: kept for later)
         drafted = [draft is not None and c > 0 for c in caps]
@@ -171,9 +181,28 @@ class Round:
     def verify(self, runner: Runner, plan: Verify):
         return runner.verify(plan.ids, plan.positions, plan.meta)
 
+    # 5b. grammar masks -------------------------------------------------------------------------
+
+    def constrain(self, runner, batch, draft: Draft | None, plan: Verify):
+        """(matchers, token_bitmask [N, words]) of a batch with a grammar, else (None, None).
+        Reads the drafts (and device-path lengths) to the host: the matchers walk them there."""
+        grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
+        if grammar is None:
+            return None, None
+        t0 = time.perf_counter()
+        V = runner.target.config.vocab_size
+        lengths = plan.lengths
+        if lengths is None:  # device path: its lengths come to the host for the walk
+            lengths = runner.to_host(plan.device[0]).long().tolist()
+        drafts = [[]] * len(batch) if draft is None else runner.to_host(draft.tokens).tolist()
+        c = constraints_of(runner)
+        masks = c.verify_masks(grammar, drafts, lengths, V, plan.ids.device)
+        c.host_s += time.perf_counter() - t0
+        return grammar, masks
+
     # 6. acceptance -----------------------------------------------------------------------------
 
-    def accept(self, runner, batch, draft, plan: Verify, logits, rng):
+    def accept(self, runner, batch, draft, plan: Verify, logits, rng, masks=None):
         """Accept x_k with probability min(1, P(x_k) / q(x_k)), emit the residual (or bonus)
         token y; then the round's one host read: accepted counts, tokens, failures (and, on the
         device path, the lengths and survivals). Returns (raw logits, Accepted)."""
@@ -182,7 +211,7 @@ class Round:
             if any(batch.sampling.logprobs):
                 raw = logits.clone()  # logprobs are the target's raw log-probabilities
             logits = runner.filter(batch, logits, plan.cu)
-        acc, out, failed = self.sample(runner, draft, plan, logits, rng)
+        acc, out, failed = self.sample(runner, draft, plan, logits, rng, masks)
         # drafts whose q is not finite (rejected in full by the acceptance), read with the rest
         bad_q = () if draft is None else (~torch.isfinite(draft.lse),)
         survival = plan.survival
@@ -204,11 +233,25 @@ class Round:
             nonfinite = [a < n and bool(row[a] > 0) for a, n, row in zip(acc, lengths, extra.tolist())]
         return raw, Accepted(acc, toks, failed, lengths, cu, survival, nonfinite)
 
-    def sample(self, runner, draft: Draft | None, plan: Verify, logits, rng):
-        """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1])."""
+    def sample(self, runner, draft: Draft | None, plan: Verify, logits, rng, masks=None):
+        """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1]).
+        masks: the grammar's token bitmask of the rows (None: no grammar)."""
+        if masks is not None and masks.shape[0] < logits.shape[0]:  # padding rows: no mask
+            pad = masks.new_full((logits.shape[0] - masks.shape[0], masks.shape[1]), -1)
+            masks = torch.cat([masks, pad])
         if draft is None:
-            return ops.rejection_sample(logits, plan.meta.cu_q, None, None, None, **rng)
-        return ops.rejection_sample(logits, plan.meta.cu_q, draft.tokens, draft.z, draft.lse, **rng)
+            return ops.rejection_sample(logits, plan.meta.cu_q, None, None, None,
+                                        token_bitmask=masks, **rng)
+        return ops.rejection_sample(logits, plan.meta.cu_q, draft.tokens, draft.z, draft.lse,
+                                    token_bitmask=masks, **rng)
+
+
+def constraints_of(runner: Runner) -> Constraints:
+    """The runner's grammar matchers (one Constraints per runner, made on first use)."""
+    c = getattr(runner, "constraints", None)
+    if c is None:
+        c = runner.constraints = Constraints()
+    return c
 
 
 def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
@@ -220,8 +263,14 @@ def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
     if any(batch.filtered):
         raw = logits.clone() if any(batch.sampling.logprobs) else logits
         logits = runner.filter(batch, logits, cu)
+    grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
+    masks = None
+    if grammar is not None:  # the first token under the grammar's start state
+        masks = constraints_of(runner).first_masks(grammar, runner.target.config.vocab_size, logits.device)
     acc, out, failed = ops.rejection_sample(logits, runner.upload(cu, torch.int32), None, None,
-                                            None, **runner.rng(batch))
+                                            None, token_bitmask=masks, **runner.rng(batch))
     _, toks, failed, _ = runner.read_results(acc, out, failed)
+    if grammar is not None:
+        constraints_of(runner).commit(batch.ids, grammar, toks, [0] * R, failed)
     return raw, toks, failed
 
