@@ -47,7 +47,7 @@ PARAM_STRATEGIES = {
     "stop_token_ids": st.one_of(junk, st.lists(ints, max_size=3)),
     "ignore_eos": st.one_of(st.booleans(), junk), "logprobs": st.one_of(st.booleans(), junk),
     "coupled": st.one_of(st.booleans(), junk), "skip_special_tokens": st.one_of(st.booleans(), junk),
-    "speculative": st.one_of(st.booleans(), junk),
+    "speculative": st.one_of(st.booleans(), junk), "structured_outputs": st.one_of(st.none(), junk),
 }
 params = st.fixed_dictionaries({}, optional=PARAM_STRATEGIES)
 token_lists = st.lists(st.one_of(st.integers(0, 95), ints), max_size=60)
