@@ -62,6 +62,7 @@ class Verify:
     cu: list[int] | None             # host path: rows of request r are cu[r] .. cu[r+1]-1
     survival: torch.Tensor | None    # host path: the calibrated survivals read, or None
     device: tuple | None = None      # device path: (lengths [R], survival [R, gamma])
+    masks: torch.Tensor | None = None  # step 5b: a grammar's token bitmask of the rows
 
 
 @dataclass
@@ -101,10 +102,10 @@ class Round:
         logits, feats = self.verify(runner, plan)
         # 5b. a grammar's P' = P * mask / Z: row k masked with the state after the committed
         #    prefix and x_1 .. x_k (the walk stops at the first draft it refuses: P' = 0 there)
-        grammar, masks = self.constrain(runner, batch, draft, plan)
+        grammar, plan.masks = self.constrain(runner, batch, draft, plan)
         # 6. accept x_k w.p. min(1, P'_{k-1}(x_k) / q_k(x_k)); emit y from the residual
         #    max(0, P' - q) at the first rejection, else the bonus y ~ P'_l; one host read
-        raw, acc = self.accept(runner, batch, draft, plan, logits, rng, masks)
+        raw, acc = self.accept(runner, batch, draft, plan, logits, rng)
         if grammar is not None:  # the matchers advance by the emitted tokens x_1 .. x_a, y
             constraints_of(runner).commit(batch.ids, grammar, acc.out_tokens, acc.num_accepted, acc.failed)
         # 7. drafter context of the committed positions: the anchor and the accepted drafts
@@ -202,7 +203,7 @@ class Round:
 
     # 6. acceptance -----------------------------------------------------------------------------
 
-    def accept(self, runner, batch, draft, plan: Verify, logits, rng, masks=None):
+    def accept(self, runner, batch, draft, plan: Verify, logits, rng):
         """Accept x_k with probability min(1, P(x_k) / q(x_k)), emit the residual (or bonus)
         token y; then the round's one host read: accepted counts, tokens, failures (and, on the
         device path, the lengths and survivals). Returns (raw logits, Accepted)."""
@@ -211,7 +212,7 @@ class Round:
             if any(batch.sampling.logprobs):
                 raw = logits.clone()  # logprobs are the target's raw log-probabilities
             logits = runner.filter(batch, logits, plan.cu)
-        acc, out, failed = self.sample(runner, draft, plan, logits, rng, masks)
+        acc, out, failed = self.sample(runner, draft, plan, logits, rng)
         # drafts whose q is not finite (rejected in full by the acceptance), read with the rest
         bad_q = () if draft is None else (~torch.isfinite(draft.lse),)
         survival = plan.survival
@@ -233,9 +234,10 @@ class Round:
             nonfinite = [a < n and bool(row[a] > 0) for a, n, row in zip(acc, lengths, extra.tolist())]
         return raw, Accepted(acc, toks, failed, lengths, cu, survival, nonfinite)
 
-    def sample(self, runner, draft: Draft | None, plan: Verify, logits, rng, masks=None):
-        """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1]).
-        masks: the grammar's token bitmask of the rows (None: no grammar)."""
+    def sample(self, runner, draft: Draft | None, plan: Verify, logits, rng):
+        """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1]),
+        under plan.masks, the grammar's token bitmask of the rows (None: no grammar)."""
+        masks = plan.masks
         if masks is not None and masks.shape[0] < logits.shape[0]:  # padding rows: no mask
             pad = masks.new_full((logits.shape[0] - masks.shape[0], masks.shape[1]), -1)
             masks = torch.cat([masks, pad])
