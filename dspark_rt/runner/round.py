@@ -92,9 +92,11 @@ class Round:
         #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k. None: a plain
         #      round (the decision drafts for no request)
         draft = None
+        # 0b. a grammar's matchers at the committed prefixes (None: no request has a grammar)
+        grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
         if decision.drafts:
             batch = self.catch_up(runner, batch, caps, state)  # deferred context of those that draft
-            draft = self.draft(runner, batch, rng, caps)
+            draft = self.draft(runner, batch, self.draft_keys(runner, grammar, rng), caps)
         # 4. l_r from the calibrated survivals a_k = prod c_hat_i (never from the tokens: that
         #    keeps it lossless), then the flat chains [x0, x_1 .. x_l] of every request
         plan = self.schedule(runner, batch, draft, decision, policy, calibration)
@@ -102,7 +104,7 @@ class Round:
         logits, feats = self.verify(runner, plan)
         # 5b. a grammar's P' = P * mask / Z: row k masked with the state after the committed
         #    prefix and x_1 .. x_k (the walk stops at the first draft it refuses: P' = 0 there)
-        grammar, plan.masks = self.constrain(runner, batch, draft, plan)
+        plan.masks = self.constrain(runner, batch, draft, plan, grammar)
         # 6. accept x_k w.p. min(1, P'_{k-1}(x_k) / q_k(x_k)); emit y from the residual
         #    max(0, P' - q) at the first rejection, else the bonus y ~ P'_l; one host read
         raw, acc = self.accept(runner, batch, draft, plan, logits, rng)
@@ -184,12 +186,23 @@ class Round:
 
     # 5b. grammar masks -------------------------------------------------------------------------
 
-    def constrain(self, runner, batch, draft: Draft | None, plan: Verify):
-        """(matchers, token_bitmask [N, words]) of a batch with a grammar, else (None, None).
-        Reads the drafts (and device-path lengths) to the host: the matchers walk them there."""
-        grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
+    def draft_keys(self, runner, grammar, rng: dict) -> dict:
+        """The head's keyword arguments: the random keys, and under a grammar the committed
+        state's mask of draft position 1 (q_1 is then the masked proposal; the CUDA-graph path
+        drafts unmasked, lossless too: acceptance uses the q the draft was sampled from)."""
+        if grammar is None or runner.graphs is not None:
+            return rng
+        t0 = time.perf_counter()
+        c = constraints_of(runner)
+        mask = c.first_masks(grammar, runner.target.config.vocab_size, rng["seed"].device)
+        c.host_s += time.perf_counter() - t0
+        return {**rng, "token_bitmask": mask}
+
+    def constrain(self, runner, batch, draft: Draft | None, plan: Verify, grammar):
+        """The token bitmask [N, words] of the verify rows under a grammar, else None. Reads the
+        drafts (and device-path lengths) to the host: the matchers walk them there."""
         if grammar is None:
-            return None, None
+            return None
         t0 = time.perf_counter()
         V = runner.target.config.vocab_size
         lengths = plan.lengths
@@ -199,7 +212,7 @@ class Round:
         c = constraints_of(runner)
         masks = c.verify_masks(grammar, drafts, lengths, V, plan.ids.device)
         c.host_s += time.perf_counter() - t0
-        return grammar, masks
+        return masks
 
     # 6. acceptance -----------------------------------------------------------------------------
 

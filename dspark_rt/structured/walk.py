@@ -60,9 +60,11 @@ class Constraints:
                 m.fill(rows[at])
                 walked = 0
                 for k in range(n):
-                    if m.terminated or not m.accept(int(xs[k])):
+                    if not m.accept(int(xs[k])):
                         break  # P'(x_{k+1}) = 0: the acceptance stops at this row
                     walked += 1
+                    if m.terminated:  # x_{k+1} ended the grammar (a stop token): so does the
+                        break         # request, and the rows after it need no mask
                     m.fill(rows[at + k + 1])
                 m.rollback(walked)
             at += n + 1

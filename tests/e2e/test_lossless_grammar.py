@@ -1,5 +1,17 @@
 """Under a grammar the output law is P' = P * mask / Z at every position (DESIGN §6), through
-speculative rounds, and the wrong grammar walks fail (tests/support/grammar_harness.py)."""
+speculative rounds, and the wrong grammar walks fail (tests/support/grammar_harness.py: a toy
+automaton over the lossless harness's 8 tokens, a regex and a choice list).
+
+Measured at N = 3,000 (2-core CPU, 2026-12-03), on the regex case (dspark fixed vanilla, T 1):
+
+| variant | what is wrong | p |
+| --- | --- | --- |
+| correct | | 1 (sync gated T 0.6: 0.24; choice on dflash: 1) |
+| no-rollback | the matcher keeps the walked drafts after a rejection | 4e-196 |
+| stale-state | row k masked with the committed state, not the state after x_1 .. x_k | 0 |
+| target-unmasked | only draft position 1 (q) is masked, the target rows are not | 0 |
+| residual-unmasked | acceptance sees P', the token after a rejection max(0, P - q) | 5e-200 |
+"""
 import pytest
 
 from tests.support import grammar_harness as G
@@ -7,7 +19,7 @@ from tests.support import lossless_harness as H
 
 N = 3000
 CASES = [(H.Case("dspark", "fixed", "vanilla", 1.0), "regex"),
-         (H.Case("dspark", "sync", "gated", 0.6), "choice"),
+         (H.Case("dspark", "sync", "gated", 0.6), "regex"),
          (H.Case("dflash", "fixed", "none", 1.0), "choice")]
 
 

@@ -125,4 +125,28 @@ def q_only():
                              lambda self, *a: torch.full_like(real(self, *a), -1))
 
 
-MUTANTS = {"stale-state": stale_state, "no-rollback": no_rollback, "target-unmasked": q_only}
+def _residual_unmasked(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, *,
+                       token_bitmask=None, **kw):
+    """The acceptance test sees P', but the token after a rejection comes from max(0, P - q)
+    with P unmasked."""
+    acc, out, failed = _real_rejection(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse,
+                                       token_bitmask=token_bitmask, **kw)
+    g = torch.Generator().manual_seed(int(kw["seed"][0]) + int(kw["round_"][0]))
+    for r in range(len(acc)):
+        a, lo, ell, T = int(acc[r]), int(cu_rows[r]), int(cu_rows[r + 1] - cu_rows[r]) - 1, float(kw["temperature"][r])
+        if a < ell and T > 0:
+            P = torch.softmax(target_logits[lo + a].double() / T, -1)
+            q = torch.exp(draft_logits[r, a].double() / T - float(draft_lse[r, a]))
+            out[r, a] = torch.multinomial((P - q).clamp(min=0), 1, generator=g)[0]
+    return acc, out, failed
+
+
+_real_rejection = H.ops.rejection_sample
+
+
+def residual_unmasked():
+    return mock.patch.object(H.ops, "rejection_sample", _residual_unmasked)
+
+
+MUTANTS = {"stale-state": stale_state, "no-rollback": no_rollback, "target-unmasked": q_only,
+           "residual-unmasked": residual_unmasked}
