@@ -11,6 +11,8 @@ Per request with a grammar, one matcher at its committed prefix. Each round:
 A matcher is anything with fill(words) (writes its state's int32 bitmask row), accept(token)
 -> bool, rollback(n) and terminated; compiler(params, V) makes one (grammar.py: xgrammar).
 """
+import time
+
 import numpy as np
 import torch
 
@@ -25,7 +27,8 @@ class Constraints:
     def __init__(self, compiler=None):
         self.compiler = compiler
         self.matchers: dict = {}
-        self.host_s = 0.0  # host seconds spent in the matchers (measured by the caller)
+        self.host_s = 0.0  # host seconds of the round spent on the grammar (the round adds them)
+        self.walks = 0     # verify walks (rounds with a grammar) so far
 
     def of(self, batch, V: int) -> list | None:
         """Each request's matcher (None: no grammar), or None when no request has one."""
@@ -55,6 +58,7 @@ class Constraints:
         committed prefix and x_1 .. x_k; rows after the first refused draft stay all ones."""
         rows = np.full((sum(n + 1 for n in lengths), words_of(V)), -1, dtype=np.int32)
         at = 0
+        self.walks += 1
         for m, xs, n in zip(ms, drafts, lengths):
             if m is not None:
                 m.fill(rows[at])
@@ -73,6 +77,7 @@ class Constraints:
     def commit(self, ids: list, ms: list, out_tokens: list, num_accepted: list, failed: list):
         """Advances every matcher by the request's emitted tokens; a finished grammar (or a
         failed request) drops its matcher."""
+        t0 = time.perf_counter()
         for rid, m, toks, a, bad in zip(ids, ms, out_tokens, num_accepted, failed):
             if m is None:
                 continue
@@ -81,6 +86,7 @@ class Constraints:
                     break
             if bad or m.terminated:
                 self.matchers.pop(rid, None)
+        self.host_s += time.perf_counter() - t0
 
     def drop(self, rid):
         """A request finished or was aborted: its matcher goes."""
