@@ -9,6 +9,7 @@ exactly the verify walk's need (any depth, in xgrammar >= 0.2).
 """
 import json
 import os
+import re
 from functools import lru_cache
 
 import numpy as np
@@ -26,6 +27,27 @@ except ImportError:  # structured output is refused, by name, where it is asked 
 def _require():
     if xgr is None:
         raise ValueError("structured_outputs needs the xgrammar package (pip install xgrammar)")
+
+
+def engine_message(e: Exception) -> str:
+    """xgrammar's own words, without its log prefix ("[time] file.cc:line: ")."""
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
+
+
+def parse(spec: StructuredOutputsParams):
+    """Parses the grammar without a tokenizer (cheap): a ValueError naming the field and
+    xgrammar's message, before any request work; the compile per tokenizer comes later."""
+    _require()
+    form, v = spec.key()
+    try:
+        if form == "json":
+            xgr.Grammar.from_json_schema(v, any_whitespace=False)
+        elif form == "regex":
+            xgr.Grammar.from_regex(v)
+        elif form == "grammar":
+            xgr.Grammar.from_ebnf(v)
+    except Exception as e:  # xgrammar raises RuntimeError with its parser's message
+        raise ValueError(f"structured_outputs.{form}: {engine_message(e)}") from None
 
 
 def tokenizer_info(tokenizer_dir: str, V: int, stop_ids: tuple):
@@ -78,9 +100,9 @@ class GrammarBook:
                 elif form == "grammar":
                     g = self.compiler.compile_grammar(v)
                 else:
-                    g = self.compiler.compile_regex("|".join(_escape(c) for c in v))
+                    g = self.compiler.compile_regex(choice_regex(v))
             except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message
-                raise ValueError(f"structured_outputs.{form}: {e}") from None
+                raise ValueError(f"structured_outputs.{form}: {engine_message(e)}") from None
             self.cache[key] = g
         return self.cache[key]
 
@@ -88,8 +110,9 @@ class GrammarBook:
         return Matcher(self.compile(spec), V)
 
 
-def _escape(s: str) -> str:
-    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in s)
+def choice_regex(choices) -> str:
+    """A regex matching exactly one of the strings."""
+    return "|".join("".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in s) for s in choices)
 
 
 class Matcher:

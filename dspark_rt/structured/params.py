@@ -9,8 +9,8 @@ FORMS = ("json", "regex", "grammar", "choice")
 class StructuredOutputsParams:
     """Exactly one of: json, a JSON schema (a dict or its text; {"type": "object"} for any JSON
     object); regex, a regular expression the whole output must match; grammar, an EBNF / GBNF
-    grammar; choice, a list of strings the output must be one of. Bad arguments are a ValueError
-    naming the field."""
+    grammar; choice, a list of strings the output must be one of. Bad arguments, and grammars
+    xgrammar cannot parse, are a ValueError naming the field (and xgrammar's message)."""
     json: object = None
     regex: str | None = None
     grammar: str | None = None
@@ -31,6 +31,13 @@ class StructuredOutputsParams:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty str")
             object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        from .grammar import parse  # xgrammar's parser: its message, before any work
+        parse(self)
 
     @property
     def form(self) -> str:
