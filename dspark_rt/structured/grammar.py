@@ -15,7 +15,6 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .params import StructuredOutputsParams
 
 try:
     import xgrammar as xgr
@@ -34,7 +33,7 @@ def engine_message(e: Exception) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
 
 
-def parse(spec: StructuredOutputsParams):
+def parse(spec):
     """Parses the grammar without a tokenizer (cheap): a ValueError naming the field and
     xgrammar's message, before any request work; the compile per tokenizer comes later."""
     _require()
@@ -80,14 +79,14 @@ def grammar_book(tokenizer, V: int) -> "GrammarBook":
 
 
 class GrammarBook:
-    """Compiles StructuredOutputsParams against one tokenizer; cached per grammar."""
+    """Compiles StructuredOutputsParams (spec) against one tokenizer; cached per grammar."""
 
     def __init__(self, info):
         self.info = info
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
         self.cache: dict = {}
 
-    def compile(self, spec: StructuredOutputsParams):
+    def compile(self, spec):
         """The compiled grammar, or a ValueError naming the field and xgrammar's message."""
         key = spec.key()
         if key not in self.cache:
@@ -106,7 +105,7 @@ class GrammarBook:
             self.cache[key] = g
         return self.cache[key]
 
-    def __call__(self, spec: StructuredOutputsParams, V: int) -> "Matcher":
+    def __call__(self, spec, V: int) -> "Matcher":
         return Matcher(self.compile(spec), V)
 
 
