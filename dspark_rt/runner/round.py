@@ -24,6 +24,7 @@ import time
 import torch
 
 from .. import ops
+from ..ops import reference
 from ..structured import Constraints
 from ..policies import Calibration, Decision, VerifyPolicy, device_lengths
 from ..batch import SeqBatch
@@ -224,7 +225,7 @@ class Round:
         if plan.device is None and any(batch.filtered):
             if any(batch.sampling.logprobs):
                 raw = logits.clone()  # logprobs are the target's raw log-probabilities
-            logits = runner.filter(batch, logits, plan.cu)
+            logits = runner.filter(batch, premask(logits, plan.masks), plan.cu)
         acc, out, failed = self.sample(runner, draft, plan, logits, rng)
         # drafts whose q is not finite (rejected in full by the acceptance), read with the rest
         bad_q = () if draft is None else (~torch.isfinite(draft.lse),)
@@ -269,19 +270,29 @@ def constraints_of(runner: Runner) -> Constraints:
     return c
 
 
+def premask(logits: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
+    """Under a grammar, its mask written into the rows (in place) before top-k / top-p filter
+    them: the nucleus is that of P' = P * mask / Z, the grammar's distribution (vLLM's order),
+    never one the mask may then empty. Unfiltered rows get their mask inside rejection_sample."""
+    if masks is not None:
+        n = masks.shape[0]
+        logits[:n].masked_fill_(~reference.allowed(masks, logits.shape[1]), float("-inf"))
+    return logits
+
+
 def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
     """Round 0: the token after the prompt from the last prefill position's logits [R, V].
     Returns (raw logits, emitted tokens per request, failed per request)."""
     R = len(batch)
     cu = list(range(R + 1))
     raw = logits
-    if any(batch.filtered):
-        raw = logits.clone() if any(batch.sampling.logprobs) else logits
-        logits = runner.filter(batch, logits, cu)
     grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
     masks = None
     if grammar is not None:  # the first token under the grammar's start state
         masks = constraints_of(runner).first_masks(grammar, runner.target.config.vocab_size, logits.device)
+    if any(batch.filtered):
+        raw = logits.clone() if any(batch.sampling.logprobs) else logits
+        logits = runner.filter(batch, premask(logits, masks), cu)
     acc, out, failed = ops.rejection_sample(logits, runner.upload(cu, torch.int32), None, None,
                                             None, token_bitmask=masks, **runner.rng(batch))
     _, toks, failed, _ = runner.read_results(acc, out, failed)

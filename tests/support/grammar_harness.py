@@ -60,8 +60,9 @@ def compiler(spec, V):
     return ToyMatcher(spec.form, V)
 
 
-def masked_joint(target_path, T: float, form: str) -> np.ndarray:
-    """Exact law of (y1..y5) under P' = P * mask / Z at every position."""
+def masked_joint(target_path, T: float, form: str, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Exact law of (y1..y5) under P' = P * mask / Z at every position (top-k / top-p, if any,
+    filter P', the grammar's distribution: the mask comes first, as in vLLM)."""
     dec = Decoder.from_pretrained(target_path, mode="ar", dtype="float64")
     V, N = H.V, H.N_TOK
     suffixes = torch.cartesian_prod(*[torch.arange(V)] * (N - 1))
@@ -72,7 +73,7 @@ def masked_joint(target_path, T: float, form: str) -> np.ndarray:
             ok = torch.zeros(V, dtype=torch.bool)
             ok[list(allowed(form, tuple(s[:k])))] = True
             logits[i, k] = logits[i, k].masked_fill(~ok, -float("inf"))
-    probs = torch.softmax(logits, -1)
+    probs = torch.softmax(H.filter_rows(logits.reshape(-1, V), top_k, top_p), -1).view(logits.shape)
     joint = probs[:, 0].gather(1, suffixes[:, :1])[:, 0]
     for k in range(1, N - 1):
         joint = joint * probs[:, k].gather(1, suffixes[:, k:k + 1])[:, 0]
@@ -84,7 +85,8 @@ def sample(paths, case, form: str, n: int, mutant=None, seed0: int = 20_000):
     dec = Decoder.from_pretrained(paths["target"], paths[case.head], mode=case.mode,
                                   policy=H.make_policy(case), dtype="float32")
     dec.engine.runner.constraints = Constraints(compiler)
-    params = lambda s: SamplingParams(temperature=case.T, seed=s, max_tokens=H.N_TOK, ignore_eos=True,
+    params = lambda s: SamplingParams(temperature=case.T, top_k=case.top_k, top_p=case.top_p, seed=s,
+                                      max_tokens=H.N_TOK, ignore_eos=True,
                                       structured_outputs=GRAMMARS[form])
     with mutant() if mutant is not None else contextlib.nullcontext():
         outs = dec.generate([H.PROMPT] * n, [params(seed0 + i) for i in range(n)], use_tqdm=False)
