@@ -46,10 +46,11 @@ class Constraints:
         return out
 
     def first_masks(self, ms: list, V: int, device) -> torch.Tensor:
-        """[R, words] int32: each request's committed state (all ones without a grammar)."""
+        """[R, words] int32: each request's committed state (all ones without a grammar, or after
+        it completed: only a request that ignores eos decodes on)."""
         rows = np.full((len(ms), words_of(V)), -1, dtype=np.int32)
         for r, m in enumerate(ms):
-            if m is not None:
+            if m is not None and not m.terminated:
                 m.fill(rows[r])
         return torch.from_numpy(rows).to(device)
 
@@ -60,7 +61,7 @@ class Constraints:
         at = 0
         self.walks += 1
         for m, xs, n in zip(ms, drafts, lengths):
-            if m is not None:
+            if m is not None and not m.terminated:
                 m.fill(rows[at])
                 walked = 0
                 for k in range(n):
@@ -75,8 +76,8 @@ class Constraints:
         return torch.from_numpy(rows).to(device)
 
     def commit(self, ids: list, ms: list, out_tokens: list, num_accepted: list, failed: list):
-        """Advances every matcher by the request's emitted tokens; a finished grammar (or a
-        failed request) drops its matcher."""
+        """Advances every matcher by the request's emitted tokens (a completed grammar takes no
+        more); a failed request drops its matcher, a finished one waits for drop()."""
         t0 = time.perf_counter()
         for rid, m, toks, a, bad in zip(ids, ms, out_tokens, num_accepted, failed):
             if m is None:
@@ -84,7 +85,7 @@ class Constraints:
             for t in toks[:a + 1]:
                 if bad or m.terminated or not m.accept(int(t)):
                     break
-            if bad or m.terminated:
+            if bad:
                 self.matchers.pop(rid, None)
         self.host_s += time.perf_counter() - t0
 

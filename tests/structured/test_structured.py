@@ -88,3 +88,23 @@ def test_walk_masks_rows_stops_at_refusal_and_rolls_back(tok, book):
     c.matchers["r"] = m
     c.commit(["r"], [m], [good + [-1]], [len(good) - 1], [False])
     assert "r" in c.matchers and _allowed(m) <= set(tok.eos_token_ids)
+
+
+class _Batch:
+    def __init__(self, ids, specs):
+        self.ids = ids
+        self.sampling = type("S", (), {"structured_outputs": specs})()
+
+
+def test_completed_grammar_is_not_restarted(tok, book):
+    """After the grammar completes (its stop token emitted; a request that ignores eos decodes
+    on), the request keeps its matcher: no mask, never the grammar again from its start."""
+    c = Constraints(book)
+    batch = _Batch(["r"], [S(choice=["pass"])])
+    (m,) = c.of(batch, V)
+    toks = tok.encode("pass", add_special_tokens=False) + [tok.eos_token_ids[0]]
+    c.commit(["r"], [m], [toks], [len(toks) - 1], [False])
+    assert m.terminated and c.of(batch, V) == [m]
+    assert bool((c.first_masks([m], V, "cpu") == -1).all())
+    c.drop("r")
+    assert c.of(batch, V)[0] is not m
