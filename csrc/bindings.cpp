@@ -162,6 +162,7 @@ PYBIND11_MODULE(_C, m) {
     DefPtr(c, "stream", &P::stream);
     DefPtr(c, "round", &P::round);
     DefPtr(c, "coupled", &P::coupled);
+    DefPtr(c, "token_bitmask", &P::token_bitmask);
     DefPtr(c, "tokens", &P::tokens);
     DefPtr(c, "logprob", &P::logprob);
     DefPtr(c, "lse", &P::lse);
@@ -194,6 +195,7 @@ PYBIND11_MODULE(_C, m) {
     DefPtr(c, "stream", &P::stream);
     DefPtr(c, "round", &P::round);
     DefPtr(c, "coupled", &P::coupled);
+    DefPtr(c, "token_bitmask", &P::token_bitmask);
     DefPtr(c, "num_accepted", &P::num_accepted);
     DefPtr(c, "out_tokens", &P::out_tokens);
     DefPtr(c, "failed", &P::failed);

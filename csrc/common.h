@@ -24,6 +24,12 @@ enum class Status : int {
   kCudaError = 3,     // a CUDA runtime call failed; the bindings report cudaGetLastError
 };
 
+// Whether a grammar's token bitmask row (ceil(V / 32) int32 words, xgrammar's layout) allows
+// token v: bit v % 32 of word v / 32. A null row allows everything.
+DSPARK_HD bool TokenAllowed(const int32_t* mask_row, int64_t v) {
+  return !mask_row || ((static_cast<uint32_t>(mask_row[v >> 5]) >> (v & 31)) & 1u);
+}
+
 inline const char* StatusString(Status s) {
   switch (s) {
     case Status::kOk: return "ok";

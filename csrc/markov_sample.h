@@ -44,6 +44,9 @@ struct MarkovSampleParams {
   const int64_t* round = nullptr;      // [R] the request's round counter (coupled: n0)
   const uint8_t* coupled = nullptr;    // [R] nonzero: Gumbel-coupled rule, round = n0 the
                                        // tokens emitted so far (philox.h); null: none
+  const int32_t* token_bitmask = nullptr;  // [R, ceil(V / 32)] draft position 1 of each request: bit v % 32 of
+                                           // word v / 32 set = token v allowed (a grammar; null:
+                                           // none); forbidden logits read as -inf
 
   int64_t* tokens = nullptr;       // [R, gamma] x_1..x_gamma
   void* logprob = nullptr;         // [R, gamma] log q_k(x_k)  (greedy: log softmax(z)(x_k))

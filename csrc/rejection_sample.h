@@ -25,6 +25,9 @@ struct RejectionSampleParams {
   const int64_t* round = nullptr;      // [R] round counter (coupled: n0)
   const uint8_t* coupled = nullptr;    // [R] nonzero: Gumbel-coupled rule, round = n0 the
                                        // tokens emitted so far (philox.h); null: none
+  const int32_t* token_bitmask = nullptr;  // [N, ceil(V / 32)] one row per target row: bit v % 32 of
+                                           // word v / 32 set = token v allowed (a grammar; null:
+                                           // none); forbidden logits read as -inf
 
   int32_t* num_accepted = nullptr;  // [R] a_r
   int64_t* out_tokens = nullptr;    // [R, gamma + 1] x_1..x_a, y, then -1

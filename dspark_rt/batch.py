@@ -24,13 +24,14 @@ class SamplingBatch:
     """The sampling settings of R requests, one list per field (SamplingParams' meaning):
     temperature 0 is greedy; top_k 0 and top_p 1.0 keep every token; coupled: Philox rounds
     keyed by the tokens emitted (DESIGN §2); speculative False: the request never drafts;
-    logprobs: it reads its rows' log-probabilities."""
+    logprobs: it reads its rows' log-probabilities; structured_outputs: its grammar (or None)."""
     temperature: list[float]
     top_k: list[int]
     top_p: list[float]
     coupled: list[bool]
     speculative: list[bool]
     logprobs: list[bool]
+    structured_outputs: list  # StructuredOutputsParams or None: the request's grammar
 
     @classmethod
     def of(cls, params) -> "SamplingBatch":

@@ -54,6 +54,7 @@ class SamplingParams:
     # alternatives (RequestOutput.prompt_logprobs, vLLM's shape); None: not computed. A request
     # that asks is prefilled whole: a prefix-cache hit would skip the rows it reads
     prompt_logprobs: int | None = None
+    structured_outputs: object = None  # StructuredOutputsParams (dspark_rt.structured) or None
 
     def __post_init__(self):
         self.check()
@@ -112,6 +113,10 @@ class SamplingParams:
             if not _integral(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20:
                 bad("prompt_logprobs", "must be None or an int in [0, 20] (vLLM's max_logprobs)")
             self.prompt_logprobs = int(self.prompt_logprobs)
+        from .structured.params import StructuredOutputsParams
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,9 @@
 //      is materialised;
 //   3. per request, the slice partials merge in slice order (thread-count independent) into
 //      x_k, lse_k and logprob_k.
+// A grammar's token bitmask (p.token_bitmask, null: none) masks step 1 only: its forbidden
+// entries of z are set to -inf in the sweep, before the slice's partials, so x_1, lse_1 and
+// the z the acceptance reads back all describe the masked proposal.
 // Dot products accumulate in T: for float32 the reference itself forms the bias with a float32
 // GEMM, so a double accumulator would not bring the two closer than their float32 rounding;
 // float64 accumulates in double.
@@ -160,6 +163,12 @@ DSPARK_ALWAYS_INLINE void SliceImpl(Ctx<T>& c, int64_t sl, int64_t k) {
     if constexpr (std::is_same_v<T, float>) {  // bfloat16 w2 under float32 logits
       if (bias && c.widen) AddBias(static_cast<const uint16_t*>(c.w2) + v0 * rank, u, z, n, rank);
     }
+    if (k == 0 && p.token_bitmask) {  // the grammar's mask of draft position 1: z = -inf off it
+      const int32_t* m = p.token_bitmask + r * ((p.V + 31) / 32);
+      for (int64_t j = 0; j < n; ++j) {
+        if (!TokenAllowed(m, v0 + j)) z[j] = -std::numeric_limits<T>::infinity();
+      }
+    }
     const bool greedy = p.temperature[r] == 0.0f;
     // z / T in double by division, exactly as the reference forms it (scores must agree).
     const double t = c.Temp(r);
@@ -224,6 +233,9 @@ DSPARK_ALWAYS_INLINE void SelectorStepImpl(Ctx<T>& c, int64_t r, int64_t k) {
     const T b = c.widen ? Dot(static_cast<const uint16_t*>(c.w2) + v * rank, u, rank)
                         : Dot(static_cast<const T*>(c.w2) + v * rank, u, rank);
     z[v] = cu[j] + b;
+    if (k == 0 && p.token_bitmask && !TokenAllowed(p.token_bitmask + r * ((p.V + 31) / 32), v)) {
+      z[v] = -std::numeric_limits<T>::infinity();  // the grammar's mask of draft position 1
+    }
     zt[j] = static_cast<double>(z[v]) / t;
   }
   const LsePart part = LseSlice(zt.data(), K, w.data());

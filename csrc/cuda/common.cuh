@@ -82,6 +82,18 @@ __device__ __forceinline__ void Store4(__nv_bfloat16* p, float4 v) {
 
 // ---- warp reductions -------------------------------------------------------------------------
 
+// A grammar's mask over the quad v .. v + 3 (v a multiple of 4, so one bitmask word holds its
+// four bits): forbidden entries become -inf; a null mask row changes nothing.
+__device__ __forceinline__ float4 MaskQuad(float4 x, const int32_t* mask_row, int v) {
+  if (!mask_row) return x;
+  const uint32_t bits = static_cast<uint32_t>(mask_row[v >> 5]) >> (v & 31);
+  if (!(bits & 1u)) x.x = -kInfF;
+  if (!(bits & 2u)) x.y = -kInfF;
+  if (!(bits & 4u)) x.z = -kInfF;
+  if (!(bits & 8u)) x.w = -kInfF;
+  return x;
+}
+
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -33,6 +33,9 @@
 // (3r x (2r + d)) matvec per step and request, and the ops door (dspark_rt/ops/markov.py,
 // _markov_backend) routes rnn on CUDA tensors to the reference.
 // The selector head (top-k candidates, no vocabulary-wide W2 sweep) lives in markov_select.cu.
+// A grammar's token bitmask (p.token_bitmask, null: none) masks step 1 in the sweep's epilogue,
+// right after z = U + bias: forbidden entries are written as -inf and enter the partials as
+// such, so x_1, lse_1 and the z read back by the acceptance describe the masked proposal.
 //
 // Epilogue cost. Per 128-entry item a warp spends ~190 instructions at T > 0 (Philox and float
 // Gumbels where the pre-filter lets them through, the z arithmetic, one exp per entry): the
@@ -99,6 +102,8 @@ struct SweepArgs {
   const int64_t* stream;
   const int64_t* round;
   const uint8_t* coupled;  // [R] or null: Gumbel-coupled noise (philox.h SiteOf)
+  const int32_t* mask;    // [R, words] or null: the grammar's token bitmask of step 1
+  int words;              // ceil(V / 32)
   Partial* partials;      // [groups, gblocks, G]
   int R, G, gblocks;      // requests, group size (the last group may be smaller), blocks per group
   int gamma, V, rank, k, tv;
@@ -263,7 +268,9 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   T* const logits = static_cast<T*>(a.logits) + static_cast<int64_t>(r0) * a.gamma * a.V;
   const U* const ulogits = static_cast<const U*>(a.u) + static_cast<int64_t>(r0) * a.gamma * a.V;
-  const bool write_z = a.has_bias || a.u != a.logits;  // no head in place: z is U already
+  const bool masked = a.mask && a.k == 0;  // this step reads the grammar's mask
+  // no head in place and no mask: z is U already
+  const bool write_z = a.has_bias || a.u != a.logits || masked;
   const float* const temperature = a.temperature + r0;
   const int gpad = (G + 7) & ~7, bs = a.tv + 4;
   // Per-lane running statistics of every slot (request, sub) between tiles: [G * wpr][32]; a
@@ -371,6 +378,8 @@ __global__ void __launch_bounds__(kThreads) MarkovSweepKernel(SweepArgs a) {
           x.z = RoundTo<T>(x.z + RoundTo<T>(b.z));
           x.w = RoundTo<T>(x.w + RoundTo<T>(b.w));
         }
+        // NOTE: v is a multiple of 4 (one mask word holds the quad); past V nothing is read.
+        if (masked && nvalid > 0) x = MaskQuad(x, a.mask + static_cast<int64_t>(rg) * a.words, v);
         if (write_z) {  // U widened from the 16-bit weight dtype is exact in T
           if (nvalid == 4 && a.vec) {
             StoreZ4(row + v, x, pol);  // streaming: z is read back once, by the acceptance
@@ -761,6 +770,8 @@ Status MarkovLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   sa.stream = p.stream;
   sa.round = p.round;
   sa.coupled = p.coupled;
+  sa.mask = p.token_bitmask;
+  sa.words = static_cast<int>(CeilDiv(p.V, 32));
   sa.partials = partials;
   sa.R = R;
   sa.G = G;

@@ -294,6 +294,7 @@ struct StepArgs {
   const int64_t* stream;
   const int64_t* round;
   const uint8_t* coupled;   // [R] or null
+  const int32_t* mask;      // [R, ceil(V / 32)] or null: the grammar's token bitmask of step 1
   const uint64_t* cand_key; // [R, gamma, K] in rank order
   const float* cand_val;    // [R, gamma, K] their U values
   const float* hg;          // [R, gamma, rank] gate_w @ h_k, or null (d = 0: g = 0)
@@ -363,6 +364,8 @@ __global__ void __launch_bounds__(kThreads) SelectStepKernel(StepArgs a) {
         }
         acc = WarpSum(acc);
         z = RoundTo<T>(a.cand_val[o * K + c] + RoundTo<T>(acc));
+        // step 1 under a grammar: a forbidden candidate is -inf (candidates are U's top_k)
+        if (k == 0 && !TokenAllowed(a.mask ? a.mask + static_cast<int64_t>(rq) * ((a.V + 31) / 32) : nullptr, v)) z = -kInfF;
         if (lane == 0) row[v] = FromFloat<T>(z);
       }
       if (lane == 0) z_s[c] = z;
@@ -515,6 +518,7 @@ Status SelectLaunch(const MarkovSampleParams& p, cudaStream_t stream) {
   sa.stream = p.stream;
   sa.round = p.round;
   sa.coupled = p.coupled;
+  sa.mask = p.token_bitmask;
   sa.cand_key = cand_key;
   sa.cand_val = cand_val;
   sa.hg = hg;

@@ -24,6 +24,10 @@
 // pass: no separate sweep of the logits. Target logits may be 16-bit under float32 drafts (a
 // bf16 model's verify output as it is: widened in registers, exactly as a cast would), which
 // halves launch 1's bytes and saves the cast's read and write.
+// A grammar's token bitmask (null: none) is applied where target entries are loaded (MaskQuad):
+// launch 1's statistics, the acceptance test's P(x) and the residual sweep all read forbidden
+// entries as -inf, so the whole rule runs on P' = P * mask / Z at no extra pass; launch 1 also
+// flags a row whose mask allows nothing (kAllowed missing from every chunk: the request fails).
 // Splitting rows into fixed-size chunks (rather than one block per request) keeps the Gumbel
 // work of a single request spread over many SMs: at R = 1 a one-block sweep of 152k entries
 // would take tens of microseconds of Philox and logs. The chunk size is a constant, so results
@@ -51,7 +55,7 @@ struct RowStat {
   int bad;      // kTargetBad: the chunk of the target row holds NaN or +inf; kDraftBad: the
                 // chunk of the draft row judged against it does
 };
-constexpr int kTargetBad = 1, kDraftBad = 2;
+constexpr int kTargetBad = 1, kDraftBad = 2, kAllowed = 4;  // kAllowed: the chunk allows a token
 
 struct Args {
   const void* target;  // [N, V]
@@ -64,6 +68,8 @@ struct Args {
   const int64_t* stream;
   const int64_t* round;
   const uint8_t* coupled;       // [R] or null
+  const int32_t* mask;          // [N, words] or null: the grammar's token bitmask per target row
+  int words;                    // ceil(V / 32)
   int32_t* num_accepted;
   int64_t* out_tokens;  // [R, gamma + 1]
   uint8_t* failed;      // [R]
@@ -80,6 +86,11 @@ __device__ __forceinline__ PhiloxKey KeyOf(const Args& a, int r) {
 }
 
 __device__ __forceinline__ bool CoupledOf(const Args& a, int r) { return a.coupled && a.coupled[r]; }
+
+// The mask row of target row `row` (null: no grammar).
+__device__ __forceinline__ const int32_t* MaskRow(const Args& a, int64_t row) {
+  return a.mask ? a.mask + row * a.words : nullptr;
+}
 
 template <class T>
 __device__ __forceinline__ float4 LoadQuad(const T* row, int v, int nvalid, bool vec) {
@@ -153,6 +164,7 @@ struct RowLane {
   ArgMax am;             // Gumbel rows
   float best_f = -kInfF;
   bool bad = false;
+  bool allowed = false;  // the chunk's mask bits allow a token (set after the stream)
 
   // Four consecutive entries v .. v + 3 (invalid ones -inf and beyond nvalid).
   __device__ __forceinline__ void Add(int kind, float4 x, int v, int nvalid, float inv_t, double td,
@@ -197,8 +209,9 @@ struct TargetSink {
   float inv_t;
   double td;
   NoiseSite site;
+  const int32_t* mask;  // the row's grammar mask, or null
   __device__ __forceinline__ void operator()(float4 x, int v, int nvalid) const {
-    acc->Add(kind, x, v, nvalid, inv_t, td, site);
+    acc->Add(kind, MaskQuad(x, mask, v), v, nvalid, inv_t, td, site);
   }
 };
 struct DraftSink {
@@ -267,7 +280,11 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
 
   RowLane acc;
   acc.am.Init();
-  StreamRow(row, v_begin, v_end, a.v16_t, a.vec_t, TargetSink{&acc, kind, inv_t, td, site});
+  const int32_t* mask = MaskRow(a, lo + row_k);
+  StreamRow(row, v_begin, v_end, a.v16_t, a.vec_t, TargetSink{&acc, kind, inv_t, td, site, mask});
+  if (mask) {  // the chunk allows a token iff a bit of its range is set (whatever the logits)
+    for (int v = v_begin + threadIdx.x; v < v_end && !acc.allowed; v += kThreads) acc.allowed = TokenAllowed(mask, v);
+  }
   // NOTE: an acceptance test's draft row is streamed too, for NaN / +inf only (a drafter's
   // overflow must reject, not emit): 4 more bytes per entry of the rows that run a test.
   bool dbad = false;
@@ -275,7 +292,8 @@ __global__ void __launch_bounds__(kThreads) RowStatsKernel(Args a) {
     const D* drow = static_cast<const D*>(a.draft_logits) + (static_cast<int64_t>(r) * a.gamma + row_k) * a.V;
     StreamRow(drow, v_begin, v_end, a.v16_d, a.vec_d, DraftSink{&dbad});
   }
-  const int any_bad = (__syncthreads_or(acc.bad) ? kTargetBad : 0) | (__syncthreads_or(dbad) ? kDraftBad : 0);
+  const int any_bad = (__syncthreads_or(acc.bad) ? kTargetBad : 0) | (__syncthreads_or(dbad) ? kDraftBad : 0) |
+                      (!mask || __syncthreads_or(acc.allowed) ? kAllowed : 0);
   ArgMax am;
   LogSumExp lse;
   acc.Export(kind, am, lse);
@@ -299,17 +317,19 @@ __device__ __forceinline__ int WarpMergeRow(const RowStat* st, int C, float inv_
   const int lane = threadIdx.x & 31;
   am.Init();
   lse.Init();
-  int bad = 0;
+  int bad = 0, allowed = 0;
   for (int c = lane; c < C; c += 32) {
     const RowStat s = st[c];
     am.Merge(ArgMax{s.best, s.idx});
     lse.Merge(LogSumExp{s.m, s.s}, inv_t);
     bad |= s.bad;
+    allowed |= s.bad & kAllowed;
   }
   am.WarpMerge();
   lse.WarpMerge(inv_t);
   return (__any_sync(0xffffffffu, bad & kTargetBad) ? kTargetBad : 0) |
-         (__any_sync(0xffffffffu, bad & kDraftBad) ? kDraftBad : 0);
+         (__any_sync(0xffffffffu, bad & kDraftBad) ? kDraftBad : 0) |
+         (__any_sync(0xffffffffu, allowed) ? kAllowed : 0);
 }
 
 template <class T, class D>
@@ -351,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
     LogSumExp lse;
     const int bad = WarpMergeRow(st + k * a.C, a.C, inv_t, am, lse);
     if (lane == 0) {
-      bad_s[k] = (bad & kTargetBad) != 0;
+      bad_s[k] = (bad & kTargetBad) != 0 || !(bad & kAllowed);  // NaN / +inf, or nothing allowed
       unsigned char qbad = 0;
       arg_s[k] = am.idx;
       m_row[k] = lse.m;
@@ -367,7 +387,10 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
           // q not finite: rejected in full (ok stays 0), the residual below is P itself
           qbad = (bad & kDraftBad) || !(fabs(static_cast<double>(a.draft_lse[dk])) < kInfD);
           if (!qbad && x >= 0 && x < a.V) {
-            const double P = exp(static_cast<double>(ToFloat(target[static_cast<int64_t>(lo + k) * a.V + x])) / td - lse_row[k]);
+            // P'(x) = 0 where the grammar forbids x: then u q < P' fails, a rejection
+            const double P = TokenAllowed(MaskRow(a, lo + k), x)
+                ? exp(static_cast<double>(ToFloat(target[static_cast<int64_t>(lo + k) * a.V + x])) / td - lse_row[k])
+                : 0.0;
             const double q = exp(static_cast<double>(ToFloat(draft[dk * a.V + x])) / td - static_cast<double>(a.draft_lse[dk]));
             const double u = WordToUniform(PhiloxWord(key, kPurposeAccept, static_cast<uint32_t>(k + 1), 0));
             ok = u * q < P;
@@ -424,13 +447,14 @@ __global__ void __launch_bounds__(kThreads) DecideKernel(Args a) {
   const T* trow = target + static_cast<int64_t>(lo + acc) * a.V;
   const D* drow = draft + dk * a.V;
   const uint32_t pos = static_cast<uint32_t>(acc + 1);
+  const int32_t* tmask = MaskRow(a, lo + acc);
   const int v_end = min(a.V, (c + 1) * kChunk);
   ArgMax am;
   am.Init();
   float best_f = -kInfF;
   for (int v = c * kChunk + threadIdx.x * 4; v < v_end; v += kThreads * 4) {
     const int nvalid = min(4, v_end - v);
-    const float4 x4 = LoadQuad(trow, v, nvalid, a.vec_t);
+    const float4 x4 = MaskQuad(LoadQuad(trow, v, nvalid, a.vec_t), tmask, v);
     const float4 z4 = LoadQuad(drow, v, nvalid, a.vec_d);
     const float xs[4] = {x4.x, x4.y, x4.z, x4.w}, zs[4] = {z4.x, z4.y, z4.z, z4.w};
     float ub[4];  // upper bounds of log(P - q); -inf: certainly zero residual
@@ -503,6 +527,8 @@ Status Launch(const RejectionSampleParams& p, cudaStream_t stream) {
   a.stream = p.stream;
   a.round = p.round;
   a.coupled = p.coupled;
+  a.mask = p.token_bitmask;
+  a.words = static_cast<int>(CeilDiv(p.V, 32));
   a.num_accepted = p.num_accepted;
   a.out_tokens = p.out_tokens;
   a.failed = p.failed;

@@ -93,3 +93,12 @@ def coupled_flags(op, coupled, R, dev):
     if coupled is None:
         return None
     return tensor(op, "coupled", coupled, dtypes=(torch.bool, torch.uint8), shape=(R,), device=dev)
+
+
+def token_bitmask(op, mask, rows, V, dev):
+    """A grammar's token bitmask [rows, ceil(V / 32)] int32 (bit v % 32 of word v // 32 set: token
+    v allowed, xgrammar's layout); None stays None."""
+    if mask is None:
+        return None
+    return tensor(op, "token_bitmask", mask, dtype=torch.int32, shape=(rows, (V + 31) // 32),
+                  device=dev)

@@ -9,6 +9,7 @@ import torch
 from . import arrays, door, reference
 from .door import DTYPE_CODE, ext, ptr
 from ._check import coupled_flags, fail, foreign, int_range, temperatures, tensor
+from ._check import token_bitmask as _token_bitmask
 
 HEADS = reference.HEADS
 CUDA_SELECT_MAX_TOP_K = 256  # csrc/cuda/markov_select.cuh kSelectMaxTopK
@@ -67,7 +68,8 @@ def _markov_out(op, logits, out):
 
 def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None, gate_b=None,
                   joint_w=None, joint_b=None, conf_w=None, conf_b=None, temperature, seed,
-                  stream, round_, coupled=None, top_k=None, out=None, backend=None):
+                  stream, round_, coupled=None, top_k=None, out=None, token_bitmask=None,
+                  backend=None):
     """Sequential drafting stage; see reference.markov_sample for the semantics.
 
     head "selector" (DFlash2's candidate selector) takes gate_w [rank, d] (no gate_b) and top_k,
@@ -85,7 +87,9 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     keep U), or, given out [R, gamma, V], only read: z is written into out, whose dtype is then
     the compute dtype, and logits may also be in the 16-bit weight dtype under float32 out (a
     16-bit model's LM head output as it is, widened exactly on load: no cast pass). out=logits
-    is in place. Returns (tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma]).
+    is in place. token_bitmask [R, ceil(V / 32)] int32 (None: no grammar): the tokens a grammar
+    allows at draft position 1 (xgrammar's layout); z_1 is -inf elsewhere, so x_1, its logprob
+    and lse describe the masked proposal. Returns (tokens [R, gamma] int64, logprob, lse, conf_logit [R, gamma]).
     """
     op = "markov_sample"
     if head not in HEADS:
@@ -150,12 +154,13 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
     round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
     coupled = coupled_flags(op, coupled, R, dev)
+    mask = _token_bitmask(op, token_bitmask, R, V, dev)
     if be == "reference":
         if z is not logits:
             z.copy_(logits)  # exact: a 16-bit U widens without rounding
         return reference.markov_sample(z, hidden, anchor, head, w1, w2, gate_w, gate_b,
                                        joint_w, joint_b, conf_w, conf_b, temperature, seed,
-                                       stream, round_, coupled, top_k)
+                                       stream, round_, coupled, top_k, mask)
     out_dt = torch.float64 if fdt == torch.float64 else torch.float32
     tokens = torch.empty(R, gamma, dtype=torch.int64, device=dev)
     logprob, lse = torch.empty(R, gamma, dtype=out_dt, device=dev), torch.empty(R, gamma, dtype=out_dt, device=dev)
@@ -174,7 +179,7 @@ def markov_sample(logits, hidden, anchor, head, *, w1=None, w2=None, gate_w=None
     p.w1, p.w2, p.gate_w, p.gate_b = ptr(w1), ptr(w2), ptr(gate_w), ptr(gate_b)
     p.joint_w, p.joint_b, p.conf_w, p.conf_b = ptr(joint_w), ptr(joint_b), ptr(conf_w), ptr(conf_b)
     p.temperature, p.seed, p.stream, p.round = ptr(temperature), ptr(seed), ptr(stream), ptr(round_)
-    p.coupled = ptr(coupled)
+    p.coupled, p.token_bitmask = ptr(coupled), ptr(mask)
     p.tokens, p.logprob, p.lse, p.conf_logit = ptr(tokens), ptr(logprob), ptr(lse), ptr(conf)
     door.run("markov_sample", p, be, dev)
     return tokens, logprob, lse, conf

@@ -23,9 +23,17 @@ def _first_argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(hit, idx, x.shape[-1]).min(dim=-1).values
 
 
+def allowed(token_bitmask: torch.Tensor, V: int) -> torch.Tensor:
+    """The bool [N, V] a token bitmask [N, ceil(V / 32)] int32 allows: bit v % 32 of word v // 32
+    set (xgrammar's layout; bit 31 is the sign bit of the int32 word)."""
+    v = torch.arange(V, device=token_bitmask.device)
+    return ((token_bitmask.to(torch.int64)[:, v // 32] >> (v % 32)) & 1).bool()
+
+
 def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, gate_b=None,
                   joint_w=None, joint_b=None, conf_w=None, conf_b=None,
-                  temperature=None, seed=None, stream=None, round_=None, coupled=None, top_k=None):
+                  temperature=None, seed=None, stream=None, round_=None, coupled=None, top_k=None,
+                  token_bitmask=None):
     """Sequential drafting stage for R requests (DESIGN §2 steps 2-3).
 
     logits [R, gamma, V] base logits U (overwritten with z = U + bias); hidden [R, gamma, d];
@@ -33,7 +41,8 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
     (selector: gate_w [r, d], no gate_b; top_k the candidates per step, 1 <= top_k <= V);
     joint_w [3r, 2r + d], joint_b [3r]; conf_w [d] or [d + r], conf_b [1] (None: no confidence
     head); temperature [R] float32 (0 = greedy); seed [R] int64 (uint64 bits); stream, round_ [R]
-    int64; coupled [R] bool or uint8 (None: all false).
+    int64; coupled [R] bool or uint8 (None: all false); token_bitmask [R, ceil(V / 32)] int32 or
+    None: the tokens a grammar allows at draft position 1 (see allowed).
     Dtypes: the logits dtype C (float32, float64, or a 16-bit type) is the compute dtype; hidden
     and every head weight share one weight dtype W, either C or a 16-bit type narrower than C
     (a bf16 model serves bf16 weights with float32 logits). Weights and hidden enter the head
@@ -51,7 +60,10 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
                  U_k (NaN ranks as -inf, equal values: the lower index first); g = gate_w @ h_k;
                  bias = w2 @ (g * e) on C_k, and z_k = -inf outside C_k, so q_k is the
                  proposal's softmax over the candidates and zero elsewhere
-        z_k = U_k + bias; greedy: x_k = argmax z_k; else x_k = argmax(z_k / T + gumbel) with the
+        z_k = U_k + bias, and at k = 1 under token_bitmask z_1 = -inf where the mask forbids
+        (so z, lse and q describe the masked proposal; the selector's C_1 is chosen before the
+        mask, so it may keep no allowed token: z_1 all -inf, a draft that is always rejected);
+        greedy: x_k = argmax z_k; else x_k = argmax(z_k / T + gumbel) with the
         gumbel of (seed, stream, round, purpose draft, position k, index v); for a coupled
         request (round_ = n0, tokens emitted so far) the gumbel of output index n0 + k:
         (seed, stream, round n0 + k, purpose coupled, position 0, index v) (philox.site).
@@ -108,6 +120,8 @@ def markov_sample(logits, hidden, anchor, head, w1=None, w2=None, gate_w=None, g
             raise ValueError(f"markov_sample: unknown head {head!r}")
         if bias is not None:
             logits[:, k] += bias
+        if k == 0 and token_bitmask is not None:
+            logits[:, 0].masked_fill_(~allowed(token_bitmask, V), -math.inf)
         z = logits[:, k]
         zt = z.to(torch.float64) / Tsafe[:, None]
         rnd, purpose, pos = philox.site(round_, coupled, philox.PURPOSE_DRAFT, k + 1)
@@ -141,7 +155,7 @@ def _coupled(coupled, R, dev) -> torch.Tensor:
 
 
 def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse,
-                     temperature, seed, stream, round_, coupled=None):
+                     temperature, seed, stream, round_, coupled=None, token_bitmask=None):
     """Lossless acceptance for a batch (DESIGN §2 step 6).
 
     target_logits [N, V]; request r owns rows cu_rows[r] .. cu_rows[r+1]-1 (int32 [R+1]), one per
@@ -162,6 +176,10 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     index n (philox.site); accept x_k iff x_k == y_k, emit y at the first disagreement, else
     y_{l+1}. The emitted tokens are those of seeded plain decoding, whatever l (DESIGN §2).
     target_logits may be 16-bit under float32 draft_logits (widened exactly, as every row is).
+    token_bitmask [N, ceil(V / 32)] int32 (None: no mask) is a grammar's mask per target row
+    (see allowed): a forbidden entry is -inf before anything else reads the row, so every rule
+    above (argmax, P, the residual, the bonus) runs on P' = P * mask / Z (DESIGN §6); a forbidden
+    draft has P' = 0 and is rejected. A row the mask leaves empty fails the request.
     Returns num_accepted [R] int32, out_tokens [R, gamma + 1] int64 (x_1..x_a, y, then -1) and
     failed [R] bool: one of the request's rows holds NaN or +inf (its tokens mean nothing).
     """
@@ -174,10 +192,15 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     failed = torch.zeros(R, dtype=torch.bool, device=dev)
     vocab = torch.arange(V, device=dev)
     coupled = _coupled(coupled, R, dev)
+    ok = None if token_bitmask is None else allowed(token_bitmask, V)
     for r in range(R):
         lo, hi = int(cu_rows[r]), int(cu_rows[r + 1])
         rows = target_logits[lo:hi].to(torch.float64)
+        if ok is not None:
+            rows = rows.masked_fill(~ok[lo:hi], -math.inf)
         failed[r] = not bool((rows.amax(-1) < float("inf")).all())  # NaN or +inf in a row
+        if ok is not None and not bool(ok[lo:hi].any(-1).all()):
+            failed[r] = True  # a row the grammar leaves empty
         ell = hi - lo - 1
         T = float(temperature[r])
         key = (seed[r], stream[r], round_[r])

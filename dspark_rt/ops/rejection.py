@@ -5,6 +5,7 @@ import torch
 from . import arrays, door, reference
 from .door import DTYPE_CODE, ext, ptr
 from ._check import coupled_flags, fail, foreign, int_range, temperatures, tensor, values
+from ._check import token_bitmask as _token_bitmask
 
 
 # rejection_sample's target logits may be 16-bit under float32 draft logits (a 16-bit model's
@@ -46,7 +47,8 @@ def takes_narrow_target(device, dtype) -> bool:
 
 
 def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_lse, *,
-                     temperature, seed, stream, round_, coupled=None, backend=None):
+                     temperature, seed, stream, round_, coupled=None, token_bitmask=None,
+                     backend=None):
     """Lossless acceptance; see reference.rejection_sample for the semantics.
 
     target_logits [N, V]; cu_rows [R + 1] int32 (rows past cu_rows[R] belong to no request: the
@@ -56,6 +58,9 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     whose round_ holds the number of tokens they emitted so far.
     target_logits may be 16-bit under float32 draft_logits (a 16-bit model's verify output as it
     is: the kernels widen it on load, exactly as a cast would, and read half the bytes).
+    token_bitmask [N, ceil(V / 32)] int32 (None: no grammar): the tokens allowed at each target
+    row (bit v % 32 of word v // 32, xgrammar's layout), applied as the rows are read: the
+    acceptance, residual and bonus all use P' = P * mask / Z; a row with no allowed token fails.
     Returns (num_accepted [R] int32, out_tokens [R, gamma + 1] int64, -1 padded, failed [R] bool:
     one of the request's rows holds NaN or +inf, so its tokens mean nothing and it fails alone).
     """
@@ -100,9 +105,11 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     stream = tensor(op, "stream", stream, dtype=torch.int64, shape=(R,), device=dev)
     round_ = tensor(op, "round_", round_, dtype=torch.int64, shape=(R,), device=dev)
     coupled = coupled_flags(op, coupled, R, dev)
+    mask = _token_bitmask(op, token_bitmask, N, V, dev)
     if be == "reference":
         return reference.rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits,
-                                          draft_lse, temperature, seed, stream, round_, coupled)
+                                          draft_lse, temperature, seed, stream, round_, coupled,
+                                          mask)
     # No fills: both kernels write every element of all three for every request, -1 padding
     # included (cpp: RequestImpl; cuda: DecideKernel's block 0, malformed rows too, then
     # FinishKernel's residual token); an error raises before anything is returned.
@@ -118,7 +125,7 @@ def rejection_sample(target_logits, cu_rows, draft_tokens, draft_logits, draft_l
     p.draft_logits = ptr(draft_logits) if gamma else 0
     p.draft_lse = ptr(draft_lse) if gamma else 0
     p.temperature, p.seed, p.stream, p.round = ptr(temperature), ptr(seed), ptr(stream), ptr(round_)
-    p.coupled = ptr(coupled)
+    p.coupled, p.token_bitmask = ptr(coupled), ptr(mask)
     p.num_accepted, p.out_tokens, p.failed = ptr(num_acc), ptr(out), ptr(failed)
     door.run("rejection_sample", p, be, dev)
     return num_acc, out, failed

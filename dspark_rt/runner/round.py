@@ -4,6 +4,7 @@
     draft    = runner.draft(...)            1-3. block forward, LM head, sequential + confidence head
     lengths  = policy.lengths(conf)         4.   how many drafts each request verifies
     logits   = runner.verify(chains)        5.   one ragged causal target forward
+    masks    = constraints.verify_masks(..)  5b.  grammar rows: state after the drafts before each
     accepted = rejection_sample(...)        6.   lossless acceptance, one host read
     state.commit(committed)                 7.   drafter context of anchor + accepted drafts
 
@@ -13,13 +14,18 @@ twice when the decision reads the confidences on the host (threshold, sync, auto
 decision (async) admits on the device and keeps the lengths there until the one read. The
 policy's lengths go through runner.decided: under tensor parallelism the leader's are used on
 every rank. What lives across rounds (deferred drafter context) is the RoundState's
-(runner/state.py); the round itself keeps nothing.
+(runner/state.py); the round itself keeps nothing. Grammar matchers (structured output) live
+in the runner's Constraints (constraints_of), keyed by request id.
 """
 from dataclasses import dataclass
+
+import time
 
 import torch
 
 from .. import ops
+from ..ops import reference
+from ..structured import Constraints
 from ..policies import Calibration, Decision, VerifyPolicy, device_lengths
 from ..batch import SeqBatch
 from .runner import Draft, Runner
@@ -57,6 +63,7 @@ class Verify:
     cu: list[int] | None             # host path: rows of request r are cu[r] .. cu[r+1]-1
     survival: torch.Tensor | None    # host path: the calibrated survivals read, or None
     device: tuple | None = None      # device path: (lengths [R], survival [R, gamma])
+    masks: torch.Tensor | None = None  # step 5b: a grammar's token bitmask of the rows
 
 
 @dataclass
@@ -86,17 +93,24 @@ class Round:
         #      bias(x_{k-1}, h_k)) / T), k = 1..gamma; confidence logits c_k. None: a plain
         #      round (the decision drafts for no request)
         draft = None
+        # 0b. a grammar's matchers at the committed prefixes (None: no request has a grammar)
+        grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
         if decision.drafts:
             batch = self.catch_up(runner, batch, caps, state)  # deferred context of those that draft
-            draft = self.draft(runner, batch, rng, caps)
+            draft = self.draft(runner, batch, self.draft_keys(runner, grammar, rng), caps)
         # 4. l_r from the calibrated survivals a_k = prod c_hat_i (never from the tokens: that
         #    keeps it lossless), then the flat chains [x0, x_1 .. x_l] of every request
         plan = self.schedule(runner, batch, draft, decision, policy, calibration)
         # 5. one ragged causal target forward over all chains: P_0 .. P_l, and the features
         logits, feats = self.verify(runner, plan)
-        # 6. accept x_k w.p. min(1, P_{k-1}(x_k) / q_k(x_k)); emit y from the residual
-        #    max(0, P - q) at the first rejection, else the bonus y ~ P_l; one host read
+        # 5b. a grammar's P' = P * mask / Z: row k masked with the state after the committed
+        #    prefix and x_1 .. x_k (the walk stops at the first draft it refuses: P' = 0 there)
+        plan.masks = self.constrain(runner, batch, draft, plan, grammar)
+        # 6. accept x_k w.p. min(1, P'_{k-1}(x_k) / q_k(x_k)); emit y from the residual
+        #    max(0, P' - q) at the first rejection, else the bonus y ~ P'_l; one host read
         raw, acc = self.accept(runner, batch, draft, plan, logits, rng)
+        if grammar is not None:  # the matchers advance by the emitted tokens x_1 .. x_a, y
+            constraints_of(runner).commit(batch.ids, grammar, acc.out_tokens, acc.num_accepted, acc.failed)
         # 7. drafter context of the committed positions: the anchor and the accepted drafts
         #    (a request that drafted nothing, when the state defers: kept for later)
         drafted = [draft is not None and c > 0 for c in caps]
@@ -171,6 +185,36 @@ class Round:
     def verify(self, runner: Runner, plan: Verify):
         return runner.verify(plan.ids, plan.positions, plan.meta)
 
+    # 5b. grammar masks -------------------------------------------------------------------------
+
+    def draft_keys(self, runner, grammar, rng: dict) -> dict:
+        """The head's keyword arguments: the random keys, and under a grammar the committed
+        state's mask of draft position 1 (q_1 is then the masked proposal; the CUDA-graph path
+        drafts unmasked, lossless too: acceptance uses the q the draft was sampled from)."""
+        if grammar is None or runner.graphs is not None:
+            return rng
+        t0 = time.perf_counter()
+        c = constraints_of(runner)
+        mask = c.first_masks(grammar, runner.target.config.vocab_size, rng["seed"].device)
+        c.host_s += time.perf_counter() - t0
+        return {**rng, "token_bitmask": mask}
+
+    def constrain(self, runner, batch, draft: Draft | None, plan: Verify, grammar):
+        """The token bitmask [N, words] of the verify rows under a grammar, else None. Reads the
+        drafts (and device-path lengths) to the host: the matchers walk them there."""
+        if grammar is None:
+            return None
+        t0 = time.perf_counter()
+        V = runner.target.config.vocab_size
+        lengths = plan.lengths
+        if lengths is None:  # device path: its lengths come to the host for the walk
+            lengths = runner.to_host(plan.device[0]).long().tolist()
+        drafts = [[]] * len(batch) if draft is None else runner.to_host(draft.tokens).tolist()
+        c = constraints_of(runner)
+        masks = c.verify_masks(grammar, drafts, lengths, V, plan.ids.device)
+        c.host_s += time.perf_counter() - t0
+        return masks
+
     # 6. acceptance -----------------------------------------------------------------------------
 
     def accept(self, runner, batch, draft, plan: Verify, logits, rng):
@@ -181,7 +225,7 @@ class Round:
         if plan.device is None and any(batch.filtered):
             if any(batch.sampling.logprobs):
                 raw = logits.clone()  # logprobs are the target's raw log-probabilities
-            logits = runner.filter(batch, logits, plan.cu)
+            logits = runner.filter(batch, premask(logits, plan.masks), plan.cu)
         acc, out, failed = self.sample(runner, draft, plan, logits, rng)
         # drafts whose q is not finite (rejected in full by the acceptance), read with the rest
         bad_q = () if draft is None else (~torch.isfinite(draft.lse),)
@@ -205,10 +249,35 @@ class Round:
         return raw, Accepted(acc, toks, failed, lengths, cu, survival, nonfinite)
 
     def sample(self, runner, draft: Draft | None, plan: Verify, logits, rng):
-        """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1])."""
+        """ops.rejection_sample over the verify rows: (accepted [R] int32, out [R, gamma + 1]),
+        under plan.masks, the grammar's token bitmask of the rows (None: no grammar)."""
+        masks = plan.masks
+        if masks is not None and masks.shape[0] < logits.shape[0]:  # padding rows: no mask
+            pad = masks.new_full((logits.shape[0] - masks.shape[0], masks.shape[1]), -1)
+            masks = torch.cat([masks, pad])
         if draft is None:
-            return ops.rejection_sample(logits, plan.meta.cu_q, None, None, None, **rng)
-        return ops.rejection_sample(logits, plan.meta.cu_q, draft.tokens, draft.z, draft.lse, **rng)
+            return ops.rejection_sample(logits, plan.meta.cu_q, None, None, None,
+                                        token_bitmask=masks, **rng)
+        return ops.rejection_sample(logits, plan.meta.cu_q, draft.tokens, draft.z, draft.lse,
+                                    token_bitmask=masks, **rng)
+
+
+def constraints_of(runner: Runner) -> Constraints:
+    """The runner's grammar matchers (one Constraints per runner, made on first use)."""
+    c = getattr(runner, "constraints", None)
+    if c is None:
+        c = runner.constraints = Constraints()
+    return c
+
+
+def premask(logits: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
+    """Under a grammar, its mask written into the rows (in place) before top-k / top-p filter
+    them: the nucleus is that of P' = P * mask / Z, the grammar's distribution (vLLM's order),
+    never one the mask may then empty. Unfiltered rows get their mask inside rejection_sample."""
+    if masks is not None:
+        n = masks.shape[0]
+        logits[:n].masked_fill_(~reference.allowed(masks, logits.shape[1]), float("-inf"))
+    return logits
 
 
 def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
@@ -217,11 +286,17 @@ def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
     R = len(batch)
     cu = list(range(R + 1))
     raw = logits
+    grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
+    masks = None
+    if grammar is not None:  # the first token under the grammar's start state
+        masks = constraints_of(runner).first_masks(grammar, runner.target.config.vocab_size, logits.device)
     if any(batch.filtered):
         raw = logits.clone() if any(batch.sampling.logprobs) else logits
-        logits = runner.filter(batch, logits, cu)
+        logits = runner.filter(batch, premask(logits, masks), cu)
     acc, out, failed = ops.rejection_sample(logits, runner.upload(cu, torch.int32), None, None,
-                                            None, **runner.rng(batch))
+                                            None, token_bitmask=masks, **runner.rng(batch))
     _, toks, failed, _ = runner.read_results(acc, out, failed)
+    if grammar is not None:
+        constraints_of(runner).commit(batch.ids, grammar, toks, [0] * R, failed)
     return raw, toks, failed
 

@@ -45,10 +45,12 @@ PARAM_STRATEGIES = {
     "max_tokens": st.one_of(ints, st.integers(1, 12), junk),
     "stop": st.one_of(junk, texts, st.lists(st.one_of(texts, st.integers()), max_size=3)),
     "stop_token_ids": st.one_of(junk, st.lists(ints, max_size=3)),
-    "ignore_eos": st.one_of(st.booleans(), junk), "logprobs": st.one_of(st.booleans(), st.none(), st.integers(-2, 25), junk),
+    "ignore_eos": st.one_of(st.booleans(), junk),
+    "logprobs": st.one_of(st.booleans(), st.none(), st.integers(-2, 25), junk),
     "coupled": st.one_of(st.booleans(), junk), "skip_special_tokens": st.one_of(st.booleans(), junk),
     "speculative": st.one_of(st.booleans(), junk),
     "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 25), junk),
+    "structured_outputs": st.one_of(st.none(), junk),
 }
 params = st.fixed_dictionaries({}, optional=PARAM_STRATEGIES)
 token_lists = st.lists(st.one_of(st.integers(0, 95), ints), max_size=60)

@@ -11,7 +11,8 @@ PKG = Path(__file__).resolve().parents[2] / "dspark_rt"
 
 # Bottom to top. A module may import modules of its own layer and of the layers below.
 LAYERS = [
-    ("kernels and plain types", ["_C", "ops", "nvml", "sampling_params", "outputs", "batch"]),
+    ("kernels and plain types", ["_C", "ops", "nvml", "sampling_params", "outputs", "batch",
+                                  "structured"]),
     ("checkpoint I/O", ["checkpoint"]),
     ("models", ["models"]),
     ("policies", ["policies"]),
