@@ -35,7 +35,7 @@ GRAMMARS = {"none": None, "json": StructuredOutputsParams(json=SCHEMA),
 
 
 def run(dec, prompts, spec, max_tokens, batch):
-    c = dec.engine.runner.constraints = Constraints(grammar_book(dec.tokenizer, dec.target.config.vocab_size))
+    c = dec.engine.state.constraints
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=spec is None,
                             structured_outputs=spec)
     outs, t0 = [], time.perf_counter()

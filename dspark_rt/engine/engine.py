@@ -62,6 +62,7 @@ class Engine:
             raise ValueError(f"policy {self.policy.name!r} needs a confidence head, which this "
                              "drafter lacks")
         self.calibration = calibration or Calibration.identity(max(runner.gamma, 1))
+        self.tokenizer = tokenizer
         self.processor = Processor(tokenizer, vocab_size=runner.target.config.vocab_size,
                                    max_model_len=runner.max_len, eos_token_ids=eos_token_ids,
                                    gamma=runner.gamma)
@@ -121,10 +122,26 @@ class Engine:
     def add(self, req) -> int:
         """Queues a request from make_request."""
         with self._lock:
+            if req.params.structured_outputs is not None:
+                self._grammar(req.params.structured_outputs)
             self.scheduler.add(req)
             self.state.add(req.request_id)
             self.requests[req.request_id] = req
         return req.request_id
+
+    def _grammar(self, spec):
+        """Checks that this Engine can serve a structured-output request, and compiles its grammar
+        (cached per grammar and tokenizer) before any work: a ValueError naming the field."""
+        c = self.state.constraints
+        if c.compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the target's tokenizer.json (none loaded)")
+            if getattr(self.runner, "group", None) is not None:
+                raise ValueError("structured_outputs is not served under tensor parallelism")
+            from ..structured.grammar import grammar_book
+            c.compiler = grammar_book(self.tokenizer, self.runner.target.config.vocab_size)
+        if hasattr(c.compiler, "compile"):  # a GrammarBook (tests may give a bare matcher factory)
+            c.compiler.compile(spec)
 
     def abort(self, request_id: int) -> bool:
         """Drops a request wherever it is; its pages go back to the pool."""
@@ -261,7 +278,7 @@ class Engine:
         if not first:
             return {}
         sel = [reqs[i] for i in first]
-        raw, toks, failed = first_token(self.runner, batch.select(first), logits[first])
+        raw, toks, failed = first_token(self.runner, batch.select(first), logits[first], self.state)
         self._commit(sel, toks, failed, raw, list(range(len(sel))))
         return {r.request_id: _BAD_LOGITS for r, f in zip(sel, failed) if f}
 

@@ -15,7 +15,7 @@ decision (async) admits on the device and keeps the lengths there until the one 
 policy's lengths go through runner.decided: under tensor parallelism the leader's are used on
 every rank. What lives across rounds (deferred drafter context) is the RoundState's
 (runner/state.py); the round itself keeps nothing. Grammar matchers (structured output) live
-in the runner's Constraints (constraints_of), keyed by request id.
+in the RoundState too (state.constraints), keyed by request id.
 """
 from dataclasses import dataclass
 
@@ -25,7 +25,6 @@ import torch
 
 from .. import ops
 from ..ops import reference
-from ..structured import Constraints
 from ..policies import Calibration, Decision, VerifyPolicy, device_lengths
 from ..batch import SeqBatch
 from .runner import Draft, Runner
@@ -94,10 +93,10 @@ class Round:
         #      round (the decision drafts for no request)
         draft = None
         # 0b. a grammar's matchers at the committed prefixes (None: no request has a grammar)
-        grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
+        grammar = state.constraints.of(batch, runner.target.config.vocab_size)
         if decision.drafts:
             batch = self.catch_up(runner, batch, caps, state)  # deferred context of those that draft
-            draft = self.draft(runner, batch, self.draft_keys(runner, grammar, rng), caps)
+            draft = self.draft(runner, batch, self.draft_keys(runner, grammar, rng, state.constraints), caps)
         # 4. l_r from the calibrated survivals a_k = prod c_hat_i (never from the tokens: that
         #    keeps it lossless), then the flat chains [x0, x_1 .. x_l] of every request
         plan = self.schedule(runner, batch, draft, decision, policy, calibration)
@@ -105,12 +104,12 @@ class Round:
         logits, feats = self.verify(runner, plan)
         # 5b. a grammar's P' = P * mask / Z: row k masked with the state after the committed
         #    prefix and x_1 .. x_k (the walk stops at the first draft it refuses: P' = 0 there)
-        plan.masks = self.constrain(runner, batch, draft, plan, grammar)
+        plan.masks = self.constrain(runner, batch, draft, plan, grammar, state.constraints)
         # 6. accept x_k w.p. min(1, P'_{k-1}(x_k) / q_k(x_k)); emit y from the residual
         #    max(0, P' - q) at the first rejection, else the bonus y ~ P'_l; one host read
         raw, acc = self.accept(runner, batch, draft, plan, logits, rng)
         if grammar is not None:  # the matchers advance by the emitted tokens x_1 .. x_a, y
-            constraints_of(runner).commit(batch.ids, grammar, acc.out_tokens, acc.num_accepted, acc.failed)
+            state.constraints.commit(batch.ids, grammar, acc.out_tokens, acc.num_accepted, acc.failed)
         # 7. drafter context of the committed positions: the anchor and the accepted drafts
         #    (a request that drafted nothing, when the state defers: kept for later)
         drafted = [draft is not None and c > 0 for c in caps]
@@ -187,19 +186,18 @@ class Round:
 
     # 5b. grammar masks -------------------------------------------------------------------------
 
-    def draft_keys(self, runner, grammar, rng: dict) -> dict:
+    def draft_keys(self, runner, grammar, rng: dict, c) -> dict:
         """The head's keyword arguments: the random keys, and under a grammar the committed
         state's mask of draft position 1 (q_1 is then the masked proposal; the CUDA-graph path
         drafts unmasked, lossless too: acceptance uses the q the draft was sampled from)."""
         if grammar is None or runner.graphs is not None:
             return rng
         t0 = time.perf_counter()
-        c = constraints_of(runner)
         mask = c.first_masks(grammar, runner.target.config.vocab_size, rng["seed"].device)
         c.host_s += time.perf_counter() - t0
         return {**rng, "token_bitmask": mask}
 
-    def constrain(self, runner, batch, draft: Draft | None, plan: Verify, grammar):
+    def constrain(self, runner, batch, draft: Draft | None, plan: Verify, grammar, c):
         """The token bitmask [N, words] of the verify rows under a grammar, else None. Reads the
         drafts (and device-path lengths) to the host: the matchers walk them there."""
         if grammar is None:
@@ -210,7 +208,6 @@ class Round:
         if lengths is None:  # device path: its lengths come to the host for the walk
             lengths = runner.to_host(plan.device[0]).long().tolist()
         drafts = [[]] * len(batch) if draft is None else runner.to_host(draft.tokens).tolist()
-        c = constraints_of(runner)
         masks = c.verify_masks(grammar, drafts, lengths, V, plan.ids.device)
         c.host_s += time.perf_counter() - t0
         return masks
@@ -262,14 +259,6 @@ class Round:
                                     token_bitmask=masks, **rng)
 
 
-def constraints_of(runner: Runner) -> Constraints:
-    """The runner's grammar matchers (one Constraints per runner, made on first use)."""
-    c = getattr(runner, "constraints", None)
-    if c is None:
-        c = runner.constraints = Constraints()
-    return c
-
-
 def premask(logits: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
     """Under a grammar, its mask written into the rows (in place) before top-k / top-p filter
     them: the nucleus is that of P' = P * mask / Z, the grammar's distribution (vLLM's order),
@@ -280,16 +269,19 @@ def premask(logits: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
     return logits
 
 
-def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
-    """Round 0: the token after the prompt from the last prefill position's logits [R, V].
-    Returns (raw logits, emitted tokens per request, failed per request)."""
+def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor,
+                state: RoundState | None = None):
+    """Round 0: the token after the prompt from the last prefill position's logits [R, V] (under
+    a grammar, the state's matchers mask it). Returns (raw logits, emitted tokens per request,
+    failed per request)."""
+    state = state if state is not None else RoundState()
     R = len(batch)
     cu = list(range(R + 1))
     raw = logits
-    grammar = constraints_of(runner).of(batch, runner.target.config.vocab_size)
+    grammar = state.constraints.of(batch, runner.target.config.vocab_size)
     masks = None
     if grammar is not None:  # the first token under the grammar's start state
-        masks = constraints_of(runner).first_masks(grammar, runner.target.config.vocab_size, logits.device)
+        masks = state.constraints.first_masks(grammar, runner.target.config.vocab_size, logits.device)
     if any(batch.filtered):
         raw = logits.clone() if any(batch.sampling.logprobs) else logits
         logits = runner.filter(batch, premask(logits, masks), cu)
@@ -297,6 +289,6 @@ def first_token(runner: Runner, batch: SeqBatch, logits: torch.Tensor):
                                             None, token_bitmask=masks, **runner.rng(batch))
     _, toks, failed, _ = runner.read_results(acc, out, failed)
     if grammar is not None:
-        constraints_of(runner).commit(batch.ids, grammar, toks, [0] * R, failed)
+        state.constraints.commit(batch.ids, grammar, toks, [0] * R, failed)
     return raw, toks, failed
 

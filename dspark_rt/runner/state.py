@@ -9,19 +9,22 @@ again. Meanwhile the request's ctx_len stays where its context ends (RoundResult
 the engine), so the prefix cache only ever shares drafter pages whose context is written.
 
 The policy's per-request memory (auto's survival estimates) is the policy's; the state tells it
-when a request is gone (policy.forget), so it never guesses.
+when a request is gone (policy.forget), so it never guesses. The grammar matchers of requests
+with structured output (at their committed prefixes) are the state's too.
 """
 from dataclasses import replace
 
 import torch
 
-from ..policies.base import BatchView
 from ..batch import SeqBatch
+from ..policies.base import BatchView
+from ..structured import Constraints
 
 
 class RoundState:
     """policy: the VerifyPolicy the rounds consult (told of finished requests), or None;
-    defers: whether requests that draft nothing keep their context update for later."""
+    defers: whether requests that draft nothing keep their context update for later;
+    constraints: the grammar matchers of requests with structured output (structured/walk.py)."""
 
     # a request's context is written once this many positions wait. A request that finishes
     # before it drafts again never pays for it (under load, most of them). Deferred rows keep
@@ -29,8 +32,9 @@ class RoundState:
     # memory held is about max_deferred x (features of one token) per request
     max_deferred = 128
 
-    def __init__(self, policy=None, defers: bool = False):
+    def __init__(self, policy=None, defers: bool = False, constraints: Constraints | None = None):
         self.policy, self.defers = policy, defers
+        self.constraints = constraints if constraints is not None else Constraints()
         self.live: set = set()
         self.deferred: dict = {}  # request id -> [(features [N, F], row)] of ctx_len .. kv_len-1
 
@@ -43,6 +47,7 @@ class RoundState:
         """Finished or aborted: everything kept for it goes."""
         self.live.discard(request_id)
         self.deferred.pop(request_id, None)
+        self.constraints.drop(request_id)
         if self.policy is not None:
             self.policy.forget(request_id)
 

@@ -44,10 +44,11 @@ def parses(form, text):
 
 
 def _run(dec):
-    dec.engine.runner.constraints = Constraints(grammar_book(dec.tokenizer, dec.target.config.vocab_size))
     params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=FORMS[i % len(FORMS)][1])
               for i in range(len(PROMPTS))]
-    return dec.generate(PROMPTS, params, use_tqdm=False)
+    outs = dec.generate(PROMPTS, params, use_tqdm=False)
+    assert not dec.engine.state.constraints.matchers  # finished requests hold no matcher
+    return outs
 
 
 @pytest.fixture(scope="module")

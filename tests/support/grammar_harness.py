@@ -84,7 +84,7 @@ def sample(paths, case, form: str, n: int, mutant=None, seed0: int = 20_000):
     """n seeded requests of PROMPT under the grammar, through Decoder.generate."""
     dec = Decoder.from_pretrained(paths["target"], paths[case.head], mode=case.mode,
                                   policy=H.make_policy(case), dtype="float32")
-    dec.engine.runner.constraints = Constraints(compiler)
+    dec.engine.state.constraints = Constraints(compiler)
     params = lambda s: SamplingParams(temperature=case.T, top_k=case.top_k, top_p=case.top_p, seed=s,
                                       max_tokens=H.N_TOK, ignore_eos=True,
                                       structured_outputs=GRAMMARS[form])
