@@ -64,9 +64,9 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        self._bad_words_token_ids = None  # update_from_tokenizer's (not a field: derived)
         self.check()
 
     def check(self):
