@@ -22,22 +22,46 @@ def _asks_logprobs(p) -> bool:
 @dataclass
 class SamplingBatch:
     """The sampling settings of R requests, one list per field (SamplingParams' meaning):
-    temperature 0 is greedy; top_k 0 and top_p 1.0 keep every token; coupled: Philox rounds
-    keyed by the tokens emitted (DESIGN §2); speculative False: the request never drafts;
-    logprobs: it reads its rows' log-probabilities; structured_outputs: its grammar (or None)."""
+    temperature 0 is greedy; top_k 0, top_p 1.0 and min_p 0 keep every token; coupled: Philox
+    rounds keyed by the tokens emitted (DESIGN §2); speculative False: the request never drafts;
+    logprobs: it reads its rows' log-probabilities. The masks of the target's rows: allowed
+    (allowed_token_ids, None: all), bad_words (token id sequences), min_tokens with the ids it
+    masks (min_stop: eos unless ignored, and stop_token_ids); emitted: tokens out so far;
+    recent: the last of them (as many as the longest bad word's context needs);
+    structured_outputs: the request's grammar (or None)."""
     temperature: list[float]
     top_k: list[int]
     top_p: list[float]
     coupled: list[bool]
     speculative: list[bool]
     logprobs: list[bool]
+    min_p: list[float]
+    allowed: list[list[int] | None]
+    bad_words: list[list[list[int]]]
+    min_tokens: list[int]
+    min_stop: list[list[int]]
+    emitted: list[int]
+    recent: list[list[int]]
     structured_outputs: list  # StructuredOutputsParams or None: the request's grammar
 
     @classmethod
-    def of(cls, params) -> "SamplingBatch":
-        """From SamplingParams (or anything with those attributes), one per request."""
-        return cls(*([getattr(p, f.name) if f.name != "logprobs" else _asks_logprobs(p) for p in params]
-                     for f in fields(cls)))
+    def of(cls, params, outputs=None, eos_token_ids=()) -> "SamplingBatch":
+        """From SamplingParams (or anything with those attributes), one per request; outputs:
+        the tokens each has emitted (None: none yet); eos_token_ids: the target's."""
+        params = list(params)
+        outputs = outputs if outputs is not None else [[] for _ in params]
+        words = [p.bad_words_token_ids for p in params]
+        need = [max((len(w) - 1 for w in ws), default=0) for ws in words]
+        recent = [list(out[max(0, len(out) - n):]) if n else [] for n, out in zip(need, outputs)]
+        return cls([p.temperature for p in params], [p.top_k for p in params],
+                   [p.top_p for p in params], [p.coupled for p in params],
+                   [p.speculative for p in params], [_asks_logprobs(p) for p in params],
+                   [p.min_p for p in params], [p.allowed_token_ids for p in params], words,
+                   [p.min_tokens for p in params],
+                   [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+                    for p in params],
+                   [len(out) for out in outputs], recent,
+                   [getattr(p, "structured_outputs", None) for p in params])
 
     def select(self, rows: list[int]) -> "SamplingBatch":
         return SamplingBatch(*([getattr(self, f.name)[i] for i in rows] for f in fields(self)))
@@ -46,9 +70,18 @@ class SamplingBatch:
         return len(self.temperature)
 
     @property
+    def masked(self) -> list[bool]:
+        """Whether each request's target rows get a mask (allowed ids, bad words, min_tokens),
+        greedy or not."""
+        return [a is not None or bool(w) or m > e for a, w, m, e in
+                zip(self.allowed, self.bad_words, self.min_tokens, self.emitted)]
+
+    @property
     def filtered(self) -> list[bool]:
-        """Whether each request's target rows go through top-k / top-p filtering."""
-        return [t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(self.temperature, self.top_k, self.top_p)]
+        """Whether each request's target rows go through the logits processors: the masks, and
+        top-k / top-p / min-p when sampled."""
+        return [mk or (t > 0 and (k > 0 or p < 1.0 or mp > 0)) for mk, t, k, p, mp in
+                zip(self.masked, self.temperature, self.top_k, self.top_p, self.min_p)]
 
 
 @dataclass

@@ -55,8 +55,19 @@ class SamplingParams:
     # that asks is prefilled whole: a prefix-cache hit would skip the rows it reads
     prompt_logprobs: int | None = None
     structured_outputs: object = None  # StructuredOutputsParams (dspark_rt.structured) or None
+    # logits processors (vLLM's meaning), applied to the target's rows only, which keeps
+    # speculative acceptance exact for the processed law (docs/sampling.md): min_p drops tokens
+    # less likely than min_p times the most likely one (tempered); min_tokens masks the eos and
+    # stop_token_ids until that many tokens are out; allowed_token_ids keeps only those;
+    # bad_words bans each word's last token where its other tokens end the output so far
+    # (words are tokenized with and without a leading space, update_from_tokenizer)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self):
+        self._bad_words_token_ids = None  # update_from_tokenizer's (not a field: derived)
         self.check()
 
     def check(self):
@@ -117,6 +128,57 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams or None")
+        self._check_processors(bad)
+
+    def _check_processors(self, bad):
+        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must lie in [0, 1]")
+        self.min_p = float(self.min_p)
+        if not _integral(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
+        self.min_tokens = int(self.min_tokens)
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or \
+                    not all(_integral(i) and i >= 0 for i in ids):
+                bad("allowed_token_ids", "must be None or a non-empty list of non-negative ints")
+            self.allowed_token_ids = [int(i) for i in ids]
+        if self.bad_words is None:
+            self.bad_words = []
+        if not isinstance(self.bad_words, (list, tuple)) or \
+                not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of non-blank strings")
+        self.bad_words = list(self.bad_words)
+
+    def update_from_tokenizer(self, tokenizer, vocab_size: int):
+        """Token ids of bad_words (each word alone and after a space, as vLLM reads them: the
+        spaced form counts where it starts with another token and has as many), and the vocab
+        range of allowed_token_ids. Raises ValueError naming the field."""
+        V = vocab_size
+        if self.allowed_token_ids is not None and max(self.allowed_token_ids) >= V:
+            raise ValueError(f"SamplingParams.allowed_token_ids must lie in [0, {V}), got "
+                             f"{[i for i in self.allowed_token_ids if i >= V][:5]}")
+        if not self.bad_words:
+            return
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs the target's tokenizer (tokenizer.json)")
+        words = []
+        for w in self.bad_words:
+            bare = tokenizer.encode(w.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+            words.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                words.append(spaced)
+        if any(t >= V for w in words for t in w):
+            raise ValueError(f"SamplingParams.bad_words: the tokenizer gave ids outside [0, {V})")
+        self._bad_words_token_ids = words
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """bad_words as token id sequences (update_from_tokenizer), [] before or without any."""
+        return list(self._bad_words_token_ids or [])
 
     @property
     def greedy(self) -> bool:

@@ -111,8 +111,13 @@ class Engine:
         """A checked Request, not queued (errors name request `index` and the argument)."""
         with self._lock:
             rid = next(self._ids)
-        return self.processor.request(index, prompt, params if params is not None else SamplingParams(),
-                                      rid, self.seed, rid + 1)
+        req = self.processor.request(index, prompt, params if params is not None else SamplingParams(),
+                                     rid, self.seed, rid + 1)
+        try:  # bad words as token ids, allowed ids in the vocabulary
+            req.params.update_from_tokenizer(self.processor.tokenizer, self.processor.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"request {index}: {e}") from None
+        return req
 
     def add_request(self, prompt, params=None) -> int:
         """Checks and queues one request; returns its id. Bad input raises ValueError naming the
@@ -252,7 +257,8 @@ class Engine:
                         [r.target_pages for r in reqs], [r.drafter_pages for r in reqs],
                         [r.anchor for r in reqs],
                         [max(0, min(r.remaining - 1, max_len - 2 - r.kv_len, spec)) for r in reqs],
-                        SamplingBatch.of([r.params for r in reqs]), [r.seed for r in reqs],
+                        SamplingBatch.of([r.params for r in reqs], [r.output_ids for r in reqs],
+                                         self.processor.eos_token_ids), [r.seed for r in reqs],
                         [r.stream for r in reqs],
                         [len(r.output_ids) if r.params.coupled else r.round for r in reqs],
                         [r.request_id for r in reqs])

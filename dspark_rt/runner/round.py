@@ -222,7 +222,7 @@ class Round:
         if plan.device is None and any(batch.filtered):
             if any(batch.sampling.logprobs):
                 raw = logits.clone()  # logprobs are the target's raw log-probabilities
-            logits = runner.filter(batch, premask(logits, plan.masks), plan.cu)
+            logits = runner.filter(batch, premask(logits, plan.masks), plan.cu, plan.ids)
         acc, out, failed = self.sample(runner, draft, plan, logits, rng)
         # drafts whose q is not finite (rejected in full by the acceptance), read with the rest
         bad_q = () if draft is None else (~torch.isfinite(draft.lse),)

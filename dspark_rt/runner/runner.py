@@ -16,7 +16,7 @@ from .. import ops
 from ..models.batch import AttnMeta
 from ..batch import SeqBatch, pages_for
 from .forward import draft_forward
-from .logits_process import filter_rows
+from .logits_process import filter_rows, mask_rows
 
 MODES = ("ar", "dflash", "dspark")
 
@@ -321,18 +321,26 @@ class Runner:
 
     # -- sampling helpers --------------------------------------------------------------------
 
-    def filter(self, batch: SeqBatch, logits, cu_rows: list[int]):
-        """Applies each request's top-k / top-p to its rows of target logits, in place. The
-        nucleus is that of the rows widened to logits_dtype (16-bit verify logits stay 16-bit:
-        the entries it keeps are untouched, the others -inf, as in the widened rows)."""
+    def filter(self, batch: SeqBatch, logits, cu_rows: list[int], ids: torch.Tensor | None = None):
+        """Applies each request's logits processors to its rows of target logits, in place:
+        the masks (allowed ids, bad words, min_tokens), then min-p / top-k / top-p when sampled.
+        ids [N]: the verify chains [x0, x_1 .. x_l] of the rows (bad words read row k's context
+        through the drafts before it); None: one row per request. The nucleus is that of the
+        rows widened to logits_dtype (16-bit verify logits stay 16-bit: the entries it keeps are
+        untouched, the others -inf, as in the widened rows)."""
         sp = batch.sampling
         for i, on in enumerate(sp.filtered):
             if not on:
                 continue
             lo, hi = cu_rows[i], cu_rows[i + 1]
             rows = logits[lo:hi]
-            kept = filter_rows(rows.to(self.logits_dtype) / sp.temperature[i], sp.top_k[i], sp.top_p[i])
-            logits[lo:hi] = rows.masked_fill(torch.isinf(kept) & ~torch.isinf(rows), float("-inf"))
+            mask_rows(rows, sp.allowed[i], sp.bad_words[i], sp.recent[i],
+                      None if ids is None else ids[lo + 1 : hi], sp.min_tokens[i], sp.emitted[i],
+                      sp.min_stop[i])
+            T = sp.temperature[i]
+            if T > 0 and (sp.top_k[i] > 0 or sp.top_p[i] < 1.0 or sp.min_p[i] > 0):
+                kept = filter_rows(rows.to(self.logits_dtype) / T, sp.top_k[i], sp.top_p[i], sp.min_p[i])
+                logits[lo:hi] = rows.masked_fill(torch.isinf(kept) & ~torch.isinf(rows), float("-inf"))
         return logits
 
     def read_results(self, acc, out, failed, extra=()):

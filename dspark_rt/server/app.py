@@ -171,7 +171,8 @@ async def _generate(state: ServerState, request: Request, g: GenRequest):
     body = Body(g.kind, g.model, state.tokenizer, g.logprobs, g.params.stop,
                 g.params.skip_special_tokens, include_stop_str=g.include_stop_str,
                 usage_every_chunk=g.include_usage and g.continuous_usage,
-                prompt_tokens=sub.prompt_tokens, prompt=_prompt(state, g, sub))
+                prompt_tokens=sub.prompt_tokens, prompt=_prompt(state, g, sub),
+                top=g.top_logprobs)
     if g.stream:
         return StreamingResponse(_stream(state, sub, body, g.include_usage),
                                  media_type="text/event-stream")
@@ -231,14 +232,14 @@ async def _stream(state: ServerState, sub, body: Body, include_usage: bool):
             if ev.finished:
                 done = True
                 break
-            chunk = body.delta(ev.new_token_ids, ev.logprobs)
+            chunk = body.delta(ev.new_token_ids, ev.logprobs, ev.top_logprobs)
             if chunk is not None:
                 yield sse(chunk)
         out = ev.output
         if ev.error is not None or out is None:
             yield sse(_failed(ev).body())
         else:
-            last = body.last(ev.new_token_ids, ev.logprobs, out)
+            last = body.last(ev.new_token_ids, ev.logprobs, out, ev.top_logprobs)
             if include_usage:
                 yield sse(last)
                 yield sse(body.usage_chunk(out))

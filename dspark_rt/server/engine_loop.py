@@ -37,6 +37,7 @@ class Event:
     error: str | None = None
     status: int = 500       # the HTTP status of an error
     prompt_logprobs: list | None = None  # on a request's first Event, when it asked for them
+    top_logprobs: list | None = None  # per new token its row's top N ((id, logprob), ...)
 
 
 @dataclass(eq=False)
@@ -203,7 +204,8 @@ class EngineLoop:
             self.engine.add(req)
         except ValueError as e:  # the prompt does not fit the model (length, token ids)
             msg = str(e).removeprefix("request 0: ").replace("SamplingParams.", "")
-            param = next((f for f in ("stop_token_ids", "stop") if msg.startswith(f)), "prompt")
+            param = next((f for f in ("stop_token_ids", "stop", "allowed_token_ids", "bad_words")
+                          if msg.startswith(f)), "prompt")
             return _post(sub.loop, _resolve, sub.started, APIError(400, msg, param))
         except Exception as e:  # noqa: BLE001 - a bug must not take the engine thread down
             log.exception("adding a request failed")
@@ -223,9 +225,10 @@ class EngineLoop:
             _post(sub.loop, sub.events.put_nowait, Event([], None, True, out))
 
     def _deliver(self, sub: Submission, new_ids, finished, output=None, error=None):
-        lps = None
-        if sub.params.logprobs:
-            lps = list(sub.req.logprobs[sub.sent_logprobs : sub.sent_logprobs + len(new_ids)])
+        lps = tops = None
+        if sub.params.num_logprobs is not None:
+            got = slice(sub.sent_logprobs, sub.sent_logprobs + len(new_ids))
+            lps, tops = list(sub.req.logprobs[got]), list(sub.req.top_logprobs[got])
             sub.sent_logprobs += len(new_ids)
         prompt_lps = None
         if not sub.sent_events and sub.params.prompt_logprobs is not None:
@@ -237,7 +240,8 @@ class EngineLoop:
                 self._finished(sub, output)  # counters first: a client that sees its
                 # response and then reads /metrics finds its request counted
         _post(sub.loop, sub.events.put_nowait, Event(list(new_ids), lps, finished, output, error,
-                                                     prompt_logprobs=prompt_lps))
+                                                     prompt_logprobs=prompt_lps,
+                                                     top_logprobs=tops))
 
     def _finished(self, sub: Submission, out):
         sub.times.left = time.monotonic()

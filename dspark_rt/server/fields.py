@@ -33,6 +33,8 @@ SERVED_COMMON = {
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "speculative",
     "skip_special_tokens", "include_stop_str_in_output", "logprobs", "prompt_logprobs",
+    # logits processors of the target's rows (lossless under speculation: docs/sampling.md)
+    "min_p", "min_tokens", "allowed_token_ids", "bad_words",
 }
 
 # sent by clients and SDKs on every request; nothing generated depends on them
@@ -46,10 +48,6 @@ NEUTRAL_COMMON = {
     "frequency_penalty": Neutral((0,), f"penalties are {_SAMPLER} (0 only)"),
     "repetition_penalty": Neutral((1,), f"penalties are {_SAMPLER} (1 only)"),
     "logit_bias": Neutral(({},), f"logit_bias is {_SAMPLER}"),
-    "min_tokens": Neutral((0,), f"min_tokens is {_SAMPLER}"),
-    "min_p": Neutral((0,), f"min_p is {_SAMPLER}"),
-    "allowed_token_ids": Neutral(((),), f"allowed_token_ids is {_SAMPLER}"),
-    "bad_words": Neutral(((),), f"bad_words is {_SAMPLER}"),
     "use_beam_search": Neutral((False,), f"beam search is {_LATER}"),
     "length_penalty": Neutral((1,), f"length_penalty (beam search) is {_LATER}"),
     "response_format": Neutral(({"type": "text"},), f"structured output is {_LATER}; only "

@@ -33,7 +33,8 @@ class GenRequest:
     continuous_usage: bool = False     # every stream chunk carries the usage so far
     echo: bool = False                 # completions: the prompt's text (and logprobs) first
     score_only: bool = False           # max_tokens 0 with echo: the prompt alone, nothing emitted
-    top_logprobs: int = 0              # completions' logprobs N: prompt tokens' top alternatives
+    top_logprobs: int = 0              # logprobs N (completions) / top_logprobs (chat): the
+                                       # tokens' top alternatives (with echo, the prompt's too)
     prompt_logprobs: int | None = None  # the vLLM field: N, or None when not asked
 
 
@@ -105,13 +106,28 @@ def _top(body, name):
     return v
 
 
-def _sampling(body, max_tokens_default, logprobs: bool, prompt_logprobs=None,
+def _ids(body, name):
+    v = body.get(name)
+    if v is not None and (not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v)):
+        raise bad(name, f"must be a list of non-negative integers, got {v!r}")
+    return v
+
+
+def _words(body):
+    v = body.get("bad_words")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
+        raise bad("bad_words", f"must be a list of strings, got {v!r}")
+    return v
+
+
+def _sampling(body, max_tokens_default, logprobs, prompt_logprobs=None,
               max_tokens=None) -> SamplingParams:
+    """logprobs: None (not asked) or N, the top alternatives of each generated token."""
     if max_tokens is None:
         max_tokens = _max_tokens(body)
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-        raise bad("stop_token_ids", f"must be a list of non-negative integers, got {stop_ids!r}")
+    stop_ids = _ids(body, "stop_token_ids") or []
     top_k = _int(body, "top_k", 0)
     try:
         return SamplingParams(
@@ -121,7 +137,9 @@ def _sampling(body, max_tokens_default, logprobs: bool, prompt_logprobs=None,
             stop=_stop(body), stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs, speculative=_bool(body, "speculative", True),
             skip_special_tokens=_bool(body, "skip_special_tokens", True),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, min_p=_number(body, "min_p", 0.0),
+            min_tokens=_int(body, "min_tokens", 0, lo=0),
+            allowed_token_ids=_ids(body, "allowed_token_ids"), bad_words=_words(body))
     except ValueError as e:  # SamplingParams names the field: report it under the API's name
         m = _PARAM.search(str(e))
         field = m.group(1) if m else "request"
@@ -176,11 +194,7 @@ def parse_completion(body, *, default_model: str) -> GenRequest:
     check_fields(body, COMPLETION)
     prompt = prompt_of(body)
     echo = _bool(body, "echo", False)
-    lp = _top(body, "logprobs")
-    if lp and not echo:
-        raise bad("logprobs", f"top alternatives of generated tokens are not served yet: only "
-                  f"logprobs = 0 (the sampled token's log-probability), or any N up to "
-                  f"{MAX_LOGPROBS} with echo (the prompt tokens' top N), got {lp}")
+    lp = _top(body, "logprobs")  # N: each token's log-probability and its row's top N
     # max_tokens 0 with echo scores the prompt (lm-eval's log-likelihood requests): one token
     # is decoded (the prefill samples it anyway) and left out of the response
     max_tokens = _max_tokens(body, lo=0)
@@ -193,7 +207,7 @@ def parse_completion(body, *, default_model: str) -> GenRequest:
     # the engine computes the prompt's top alternatives once, for the larger of the two asks
     want = [n for n in (prompt_lp, lp if echo else None) if n is not None]
     stream = _stream(body)
-    params = _sampling(body, 16, lp is not None, max(want) if want else None,
+    params = _sampling(body, 16, lp, max(want) if want else None,
                        1 if max_tokens == 0 else max_tokens)
     return GenRequest("completion", _model(body, default_model), prompt, params, stream[0],
                       stream[1], lp is not None, "prompt", **_options(body, stream), echo=echo,
@@ -267,16 +281,14 @@ def parse_chat(body, *, default_model: str, tokenizer, max_model_len: int) -> Ge
         raise APIError(400, "the request body must be a JSON object")
     check_fields(body, CHAT)
     logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None, lo=0)
+    top = _top(body, "top_logprobs")
     if top is not None and not logprobs:
         raise bad("top_logprobs", "needs logprobs = true")
-    if top:
-        raise bad("top_logprobs", f"top alternatives are not served yet: only 0 (the sampled "
-                  f"token's log-probability), got {top}")
     prompt = render_chat(body, tokenizer)
     prompt_lp = _top(body, "prompt_logprobs")
     stream = _stream(body)
     # without max_tokens a chat answer runs to a stop token or the end of the context
     return GenRequest("chat", _model(body, default_model), prompt,
-                      _sampling(body, max_model_len, logprobs, prompt_lp), stream[0], stream[1],
-                      logprobs, "messages", **_options(body, stream), prompt_logprobs=prompt_lp)
+                      _sampling(body, max_model_len, (top or 0) if logprobs else None, prompt_lp),
+                      stream[0], stream[1], logprobs, "messages", **_options(body, stream),
+                      top_logprobs=top or 0, prompt_logprobs=prompt_lp)

@@ -50,9 +50,11 @@ def finish_reason(out: RequestOutput) -> str:
 
 
 class Logprobs:
-    """The OpenAI log-probability objects of emitted tokens (the sampled token only; no top
-    alternatives): completions' {tokens, token_logprobs, top_logprobs, text_offset} and chat's
-    {content: [{token, logprob, bytes, top_logprobs}]}."""
+    """The OpenAI log-probability objects of emitted tokens: completions' {tokens,
+    token_logprobs, top_logprobs, text_offset} and chat's {content: [{token, logprob, bytes,
+    top_logprobs}]}. tops: per token its row's top N ((token id, logprob), ...), most likely
+    first (SamplingParams.logprobs = N), or None (N = 0: empty top_logprobs). A completion's
+    top_logprobs entry holds the sampled token too; chat's lists the top N alone (OpenAI's)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -60,24 +62,38 @@ class Logprobs:
     def _piece(self, t: int) -> str:
         return self.tok.decode([t]) if self.tok is not None else f"token_id:{t}"
 
-    def completion(self, ids, logprobs, offset: int = 0, top: int = 0) -> dict:
-        """top > 0 (echo's logprobs N): the generated tokens' top alternatives are not computed
-        (null entries); the prompt's are (prompt_logprobs.legacy)."""
+    def completion(self, ids, logprobs, offset: int = 0, tops=None) -> dict:
         pieces = [self._piece(t) for t in ids]
         offsets, o = [], offset
         for p in pieces:
             offsets.append(o)
             o += len(p)
-        return {"tokens": pieces, "token_logprobs": list(logprobs),
-                "top_logprobs": [None if top else {} for _ in pieces], "text_offset": offsets}
+        # the sampled token and its row's top N, as the echoed prompt's entries (vLLM's)
+        top_lps = [{} for _ in pieces] if tops is None else [
+            {p: lp, **{self._piece(a): b for a, b in top}} for p, lp, top in zip(pieces, logprobs, tops)]
+        return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": top_lps,
+                "text_offset": offsets}
 
-    def chat(self, ids, logprobs) -> dict:
+    def chat(self, ids, logprobs, tops=None) -> dict:
         content = []
-        for t, lp in zip(ids, logprobs):
-            p = self._piece(t)
-            content.append({"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")),
-                            "top_logprobs": []})
+        tops = tops if tops is not None else [()] * len(ids)
+        for t, lp, top in zip(ids, logprobs, tops):
+            content.append(dict(self._entry(t, lp), top_logprobs=[self._entry(a, b) for a, b in top]))
         return {"content": content}
+
+    def _entry(self, t: int, lp: float) -> dict:
+        p = self._piece(t)
+        return {"token": p, "logprob": lp, "bytes": list(p.encode("utf-8"))}
+
+
+def top_of(out: RequestOutput, n: int) -> list | None:
+    """Per emitted token the top n ((id, logprob), ...) of its row, from the output's
+    {token id: Logprob} dicts (the sampled token and the top n), most likely first."""
+    lps = out.outputs[0].logprobs
+    if lps is None or n == 0:
+        return None
+    return [tuple((t, v.logprob) for t, v in sorted(d.items(), key=lambda kv: kv[1].rank)[:n])
+            for d in lps]
 
 
 class Body:
@@ -86,14 +102,17 @@ class Body:
     the engine decodes the whole text); include_stop_str: the stop string that ended the text
     stays in it; usage_every_chunk: each chunk carries the usage so far (prompt_tokens: the
     prompt's length). prompt: a server.prompt_logprobs.Prompt when the request echoes its prompt
-    or asked for vLLM's prompt_logprobs field."""
+    or asked for vLLM's prompt_logprobs field. top: the generated tokens' top alternatives
+    (completions' logprobs N, chat's top_logprobs)."""
 
     def __init__(self, kind: str, model: str, tokenizer, want_logprobs: bool, stops,
                  skip_special_tokens: bool, *, include_stop_str: bool = False,
-                 usage_every_chunk: bool = False, prompt_tokens: int = 0, prompt=None):
+                 usage_every_chunk: bool = False, prompt_tokens: int = 0, prompt=None,
+                 top: int = 0):
         self.kind, self.model, self.id = kind, model, new_id(kind)
         self.created = int(time.time())
         self.lp = Logprobs(tokenizer) if want_logprobs else None
+        self.top = top
         self.tok, self.stops, self.skip = tokenizer, list(stops), skip_special_tokens
         self.text = IncrementalText(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -129,13 +148,13 @@ class Body:
         return {"id": self.id, "object": self._object(chunk), "created": self.created,
                 "model": self.model, "choices": choices}
 
-    def _logprobs(self, ids, lps, offset):
+    def _logprobs(self, ids, lps, offset, tops=None):
         if self.lp is None or lps is None:
             return None
+        tops = tops if self.top else None
         if self.kind == "chat":
-            return self.lp.chat(ids, lps)
-        top = self.prompt.top if self.prompt is not None and self.prompt.echo else 0
-        return self.lp.completion(ids, lps, len(self.echo) + offset, top)
+            return self.lp.chat(ids, lps, tops)
+        return self.lp.completion(ids, lps, len(self.echo) + offset, tops)
 
     def _with_prompt(self, choice: dict, lp, entries, root: dict) -> None:
         """Echo's prompt part in front of the choice's logprobs, and vLLM's prompt_logprobs
@@ -158,7 +177,7 @@ class Body:
 
     def full(self, out: RequestOutput) -> dict:
         ids, lps = ([], []) if self.score_only else (out.token_ids, out.logprobs)
-        lp = self._logprobs(ids, lps, 0)
+        lp = self._logprobs(ids, lps, 0, None if self.score_only else top_of(out, self.top))
         text = self.echo + ("" if self.score_only else self.final_text(out))
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -174,8 +193,8 @@ class Body:
 
     # -- stream chunks -----------------------------------------------------------------------
 
-    def _chunk(self, text: str, ids, lps, reason=None) -> dict:
-        lp = self._logprobs(ids, lps, len(self.sent))
+    def _chunk(self, text: str, ids, lps, reason=None, tops=None) -> dict:
+        lp = self._logprobs(ids, lps, len(self.sent), tops)
         if self.kind == "chat":
             delta = {"content": text}
             if self.first:
@@ -198,9 +217,10 @@ class Body:
         self._with_prompt(chunk["choices"][0], chunk["choices"][0]["logprobs"], entries, chunk)
         return chunk
 
-    def delta(self, new_ids, logprobs) -> dict | None:
+    def delta(self, new_ids, logprobs, tops=None) -> dict | None:
         """The chunk of one step's new tokens (None when nothing is to be sent yet).
-        logprobs: those tokens' log-probabilities, when asked for."""
+        logprobs: those tokens' log-probabilities, when asked for; tops: their rows' top
+        alternatives ((id, logprob), ...) per token."""
         if self.score_only:
             return None
         ready = self.sent
@@ -212,18 +232,18 @@ class Body:
         piece = ready[len(self.sent):]
         if not piece and not (self.lp is not None and new_ids):
             return None
-        chunk = self._chunk(piece, new_ids, logprobs)
+        chunk = self._chunk(piece, new_ids, logprobs, tops=tops)
         self.sent = ready
         return chunk
 
-    def last(self, new_ids, logprobs, out: RequestOutput) -> dict:
+    def last(self, new_ids, logprobs, out: RequestOutput, tops=None) -> dict:
         """The final chunk: the rest of the final text and the finish reason."""
         text = "" if self.score_only else self.final_text(out)
         rest = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.num_tokens = 0 if self.score_only else len(out.token_ids)
         if self.score_only:
-            new_ids, logprobs = [], ([] if logprobs is not None else None)
-        chunk = self._chunk(rest, new_ids, logprobs, finish_reason(out))
+            new_ids, logprobs, tops = [], ([] if logprobs is not None else None), None
+        chunk = self._chunk(rest, new_ids, logprobs, finish_reason(out), tops)
         self.sent += rest
         return chunk
 

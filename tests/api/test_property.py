@@ -51,6 +51,10 @@ PARAM_STRATEGIES = {
     "speculative": st.one_of(st.booleans(), junk),
     "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 25), junk),
     "structured_outputs": st.one_of(st.none(), junk),
+    "min_p": st.one_of(reals, junk), "min_tokens": st.one_of(ints, st.integers(0, 12), junk),
+    "allowed_token_ids": st.one_of(st.none(), st.lists(st.one_of(st.integers(0, 95), ints),
+                                                       max_size=4), junk),
+    "bad_words": st.one_of(junk, st.lists(st.one_of(texts, st.integers()), max_size=3)),
 }
 params = st.fixed_dictionaries({}, optional=PARAM_STRATEGIES)
 token_lists = st.lists(st.one_of(st.integers(0, 95), ints), max_size=60)

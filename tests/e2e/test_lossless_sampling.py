@@ -8,7 +8,10 @@ of y2..y5 and the joint laws of the consecutive pairs (y2,y3), (y3,y4), (y4,y5);
 is their Bonferroni-corrected minimum. Correct code must pass at p > 1e-3; every wrong variant
 must fail at p < 1e-6. The policies run while they choose: threshold 0.5 on confidences that
 depend on the previous token, sync and async on the profile SPS(B) = B^-1/2 (async with budgets
-planned on an earlier batch), each asserted to verify some drafts and cut others.
+planned on an earlier batch), each asserted to verify some drafts and cut others. The logits
+processors (min_p, allowed_token_ids, bad_words, min_tokens; tests/support/processor_laws.py)
+get cases of their own: the exact law is the processed target's, each enumerated row processed
+with the tokens before it.
 
 Power (`python -m tests.support.lossless_harness --n 10000`, 2-core CPU, 2026-12-01): each mutant's
 noncentrality measured at 10,000 samples, scaled to N, gives the probability of p < 1e-6:
@@ -24,6 +27,8 @@ noncentrality measured at 10,000 samples, scaled to N, gives the probability of 
 | threshold-lookahead | verify decision reads the next position's confidence | 4e-258 (1.0) | 1.00 / 1.00 |
 | selector-q-unmasked | DFlash2: q over the whole vocabulary, not its top-k candidates (2026-12-02) | 0 (1.0) | 1.00 / 1.00 |
 | nan-draft-through | a drafter's NaN q row is tested, its NaN residual emits token 0 (2026-12-03) | 0 (1.0) | 1.00 / 1.00 |
+| bad-words-committed-only | bad words matched against the committed tokens, not the drafts before the verify row (2026-12-03) | 5e-16 (1.0) | 0.13 / 1.00 |
+| processor-one-side | allowed_token_ids applied to plain steps, not verify rounds (2026-12-03) | 0 (1.0) | 1.00 / 1.00 |
 
 The retrospective Algorithm 1 (paper Appendix A; search past the first drop) needs a batch of one
 request to show its bias end to end, too slow here (power 0.5 at 3,000 one-request rounds); it is
@@ -52,6 +57,13 @@ CASES = [
     H.Case("dspark", "fixed", "selector", 1.0),
     H.Case("dspark", "fixed", "selector", 0.6, top_p=0.8),
     H.Case("dspark", "fixed", "vanilla", 1.0, nan_drafts=True),  # NaN q: rejections, never tokens
+    # logits processors of the target's rows (tests/support/processor_laws.py)
+    H.Case("dspark", "fixed", "vanilla", 1.0, proc="min_p"),
+    H.Case("dspark", "sync", "gated", 1.0, proc="allowed"),
+    H.Case("dspark", "fixed", "vanilla", 1.0, proc="bad_words"),
+    H.Case("dspark", "threshold", "rnn", 0.6, proc="bad_words"),
+    H.Case("dflash", "fixed", "none", 1.0, proc="min_tokens"),
+    H.Case("dspark", "sync", "rnn", 1.0, proc="min_tokens"),
 ]
 
 
@@ -65,7 +77,7 @@ def joints(pair):
     cache = {}
 
     def get(case):
-        key = (case.T, case.top_k, case.top_p)
+        key = (case.T, case.top_k, case.top_p, case.proc)
         if key not in cache:
             cache[key] = H.exact_joint(pair["target"], *key)
         return cache[key]

@@ -89,7 +89,8 @@ def test_lm_eval_request(client, ref):
     assert lps[-1] == gen.logprobs[0]  # the generated token's, then
     assert c["text"] == ref.tokenizer.decode(ids) + gen.text
     tops = c["logprobs"]["top_logprobs"]
-    assert tops[-1] is None  # a generated token's alternatives are not computed
+    # the generated token's alternatives: itself and its row's top 1 (greedy: the same token)
+    assert tops[-1] == {ref.tokenizer.decode([gen.token_ids[0]]): gen.logprobs[0]}
     greedy = [lps[p] == max(tops[p].values()) for p in range(1, len(ids))]
     assert greedy == [ids[p] == lp[p - 1].argmax().item() for p in range(1, len(ids))]
 
@@ -180,7 +181,7 @@ def test_both_fields_cut_to_their_own_n(server, ref):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"prompt": "x", "logprobs": 2}, "logprobs", ["not served yet", "echo"]),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", ["at most 20"]),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ["echo"]),
     ({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 0}, "max_completion_tokens",
      ["echo"]),

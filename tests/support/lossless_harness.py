@@ -27,6 +27,7 @@ from dspark_rt.policies.sps import SPSProfile
 from dspark_rt.runner import Runner
 
 from tests.support.helpers import batched_full_logits
+from tests.support.processor_laws import PROCS
 
 V, PROMPT, N_TOK = 8, [1, 2, 3], 5
 HEADS = ("none", "vanilla", "gated", "rnn")
@@ -90,13 +91,15 @@ def _sharpen(path):
     save_file(w, f)
 
 
-def exact_joint(target_path, T: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """Exact law of (y1..y5) [V]*5 under the (filtered) target at temperature T."""
+def exact_joint(target_path, T: float, top_k: int = 0, top_p: float = 1.0, proc: str = "") -> np.ndarray:
+    """Exact law of (y1..y5) [V]*5 under the (filtered) target at temperature T, with the
+    logits processor PROCS[proc]."""
     dec = Decoder.from_pretrained(target_path, mode="ar", dtype="float64")
     suffixes = torch.cartesian_prod(*[torch.arange(V)] * (N_TOK - 1))  # [V**4, 4]
     seqs = torch.cat([torch.tensor(PROMPT).expand(len(suffixes), -1), suffixes], 1)
     logits = batched_full_logits(dec.target, seqs)[:, len(PROMPT) - 1:]  # [S, 5, V]
-    rows = filter_rows(logits.reshape(-1, V) / T, top_k, top_p)
+    logits = PROCS[proc].mask(logits, suffixes)
+    rows = filter_rows(logits.reshape(-1, V) / T, top_k, top_p, PROCS[proc].min_p)
     probs = torch.softmax(rows, -1).view(len(suffixes), N_TOK, V)
     joint = probs[:, 0].gather(1, suffixes[:, :1])[:, 0]
     for k in range(1, N_TOK - 1):
@@ -116,11 +119,13 @@ class Case:
     top_k: int = 0
     top_p: float = 1.0
     nan_drafts: bool = False  # the drafter reports NaN q at some positions (poison_drafts)
+    proc: str = ""            # a logits processor of processor_laws.PROCS
 
     @property
     def id(self) -> str:
         f = (f"-k{self.top_k}" if self.top_k else "") + (f"-p{self.top_p}" if self.top_p < 1 else "")
-        return f"{self.mode}-{self.policy}-{self.head}-T{self.T}{f}" + ("-nan" if self.nan_drafts else "")
+        return f"{self.mode}-{self.policy}-{self.head}-T{self.T}{f}" + ("-nan" if self.nan_drafts else "") \
+            + (f"-{self.proc}" if self.proc else "")
 
 
 @dataclass
@@ -148,8 +153,14 @@ def sample(paths, case: Case, n: int, mutant=None, seed0: int = 10_000) -> Sampl
     """n requests of PROMPT with distinct seeds, N_TOK tokens each, under `mutant` (or none)."""
     dec = Decoder.from_pretrained(paths["target"], paths[case.head], mode=case.mode,
                                   policy=make_policy(case, mutant), dtype="float32")
-    params = lambda s: SamplingParams(temperature=case.T, top_k=case.top_k, top_p=case.top_p,
-                                      seed=s, max_tokens=N_TOK, ignore_eos=True)
+    proc = PROCS[case.proc]
+
+    def params(s):
+        p = SamplingParams(temperature=case.T, top_k=case.top_k, top_p=case.top_p, seed=s,
+                           max_tokens=N_TOK, ignore_eos=True, **proc.params)
+        if proc.bad_words:  # what update_from_tokenizer makes of words (no tokenizer here)
+            p._bad_words_token_ids = [list(w) for w in proc.bad_words]
+        return p
     with contextlib.ExitStack() as stack:
         if case.nan_drafts:
             stack.enter_context(Mutant("", "", case, ops_patch={"markov_sample": poison_drafts}).patch())
@@ -159,7 +170,8 @@ def sample(paths, case: Case, n: int, mutant=None, seed0: int = 10_000) -> Sampl
             dec.generate([PROMPT] * (n // 4), [params(seed0 - 1 - i) for i in range(n // 4)],
                          use_tqdm=False)
         outs = dec.generate([PROMPT] * n, [params(seed0 + i) for i in range(n)], use_tqdm=False)
-    s = Sample(np.array([o.token_ids[:N_TOK] for o in outs]))
+    # a stop token emitted early (a wrong min_tokens) repeats to N_TOK: the law gives it 0
+    s = Sample(np.array([(o.token_ids + o.token_ids[-1:] * N_TOK)[:N_TOK] for o in outs]))
     for o in outs:
         m = o.metrics
         s.rounds += m.num_rounds
@@ -351,11 +363,20 @@ def bonus_from_previous_row(target_logits, cu_rows, draft_tokens, draft_logits, 
     return acc, out, failed
 
 
-def filter_plain_steps_only(self, batch, logits, cu_rows):
+def filter_plain_steps_only(self, batch, logits, cu_rows, ids=None):
     """Top-k / top-p applied to plain steps (one row per request) but not to verify rounds."""
     if cu_rows[-1] == len(cu_rows) - 1:
-        return _real_filter(self, batch, logits, cu_rows)
+        return _real_filter(self, batch, logits, cu_rows, ids)
     return logits
+
+
+def bad_words_committed_only(self, batch, logits, cu_rows, ids=None):
+    """Bad words matched against the committed tokens only: the drafts before a verify row are
+    not part of its context."""
+    if ids is not None:
+        starts = torch.tensor(cu_rows[:-1], dtype=torch.int64)
+        ids = torch.full_like(ids, -2).index_copy(0, starts, ids[starts])  # anchors only
+    return _real_filter(self, batch, logits, cu_rows, ids)
 
 
 class ThresholdLookahead(ThresholdPolicy):
@@ -387,6 +408,12 @@ MUTANTS = [
     Mutant("filter-one-side", "top-k/top-p applied to plain steps, not to verify rounds",
            Case("dspark", "fixed", "vanilla", 1.0, top_k=3),
            runner_patch={"filter": filter_plain_steps_only}),
+    Mutant("bad-words-committed-only", "bad words matched against committed tokens, not the "
+           "drafts before the row", Case("dspark", "fixed", "vanilla", 1.0, proc="bad_words"),
+           runner_patch={"filter": bad_words_committed_only}),
+    Mutant("processor-one-side", "allowed_token_ids applied to plain steps, not verify rounds",
+           Case("dspark", "fixed", "gated", 1.0, proc="allowed"),
+           runner_patch={"filter": filter_plain_steps_only}),
     Mutant("nan-draft-through", "a NaN draft row is tested and emits its NaN residual's argmax",
            Case("dspark", "fixed", "vanilla", 1.0, nan_drafts=True),
            ops_patch={"rejection_sample": nan_draft_through}),
@@ -411,7 +438,7 @@ def main():
         if a.only and a.only not in m.name:
             continue
         c = m.case
-        key = (c.T, c.top_k, c.top_p)
+        key = (c.T, c.top_k, c.top_p, c.proc)
         if key not in joints:
             joints[key] = exact_joint(paths["target"], *key)
         t0 = time.time()
