@@ -35,6 +35,9 @@ SERVED_COMMON = {
     "skip_special_tokens", "include_stop_str_in_output", "logprobs", "prompt_logprobs",
     # logits processors of the target's rows (lossless under speculation: docs/sampling.md)
     "min_p", "min_tokens", "allowed_token_ids", "bad_words",
+    # structured output (docs/structured.md), read by dspark_rt.structured.request.from_request
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
 }
 
 # sent by clients and SDKs on every request; nothing generated depends on them
@@ -50,15 +53,6 @@ NEUTRAL_COMMON = {
     "logit_bias": Neutral(({},), f"logit_bias is {_SAMPLER}"),
     "use_beam_search": Neutral((False,), f"beam search is {_LATER}"),
     "length_penalty": Neutral((1,), f"length_penalty (beam search) is {_LATER}"),
-    "response_format": Neutral(({"type": "text"},), f"structured output is {_LATER}; only "
-                               "{\"type\": \"text\"}"),
-    "structured_outputs": Neutral((), f"structured output is {_LATER}"),
-    "guided_json": Neutral((), f"structured output is {_LATER}"),
-    "guided_regex": Neutral((), f"structured output is {_LATER}"),
-    "guided_choice": Neutral((), f"structured output is {_LATER}"),
-    "guided_grammar": Neutral((), f"structured output is {_LATER}"),
-    "guided_decoding_backend": Neutral((), f"structured output is {_LATER}"),
-    "guided_whitespace_pattern": Neutral((), f"structured output is {_LATER}"),
     "priority": Neutral((0,), "priority scheduling is not served (0 only)"),
     "truncate_prompt_tokens": Neutral((), "prompt truncation is not served"),
     "spaces_between_special_tokens": Neutral((True,), "the text is decoded as one piece "

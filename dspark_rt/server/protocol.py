@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..checkpoint.config import CheckpointError
 from ..checkpoint.tokenizer import ChatTemplateError
 from ..sampling_params import SamplingParams
+from ..structured.request import FieldError, from_request
 from .errors import APIError, bad
 from .fields import CHAT, COMPLETION, MESSAGE, STREAM_OPTIONS, check_fields
 
@@ -130,6 +131,10 @@ def _sampling(body, max_tokens_default, logprobs, prompt_logprobs=None,
     stop_ids = _ids(body, "stop_token_ids") or []
     top_k = _int(body, "top_k", 0)
     try:
+        structured = from_request(body)
+    except FieldError as e:  # names the field; a bad grammar carries the grammar engine's message
+        raise bad(e.field, str(e).removeprefix(f"{e.field}: ")) from None
+    try:
         return SamplingParams(
             temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
             top_k=top_k, seed=_int(body, "seed"),
@@ -139,7 +144,8 @@ def _sampling(body, max_tokens_default, logprobs, prompt_logprobs=None,
             skip_special_tokens=_bool(body, "skip_special_tokens", True),
             prompt_logprobs=prompt_logprobs, min_p=_number(body, "min_p", 0.0),
             min_tokens=_int(body, "min_tokens", 0, lo=0),
-            allowed_token_ids=_ids(body, "allowed_token_ids"), bad_words=_words(body))
+            allowed_token_ids=_ids(body, "allowed_token_ids"), bad_words=_words(body),
+            structured_outputs=structured)
     except ValueError as e:  # SamplingParams names the field: report it under the API's name
         m = _PARAM.search(str(e))
         field = m.group(1) if m else "request"

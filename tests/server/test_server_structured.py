@@ -1,0 +1,99 @@
+"""Structured output over HTTP, through the real `openai` client: every way of asking (OpenAI's
+response_format, vLLM's structured_outputs and guided_*) on both endpoints, streamed or whole,
+gives text that parses under its grammar and equals what the Python API decodes under the same
+StructuredOutputsParams; a bad grammar, an unknown form or two ways at once is a 400 naming the
+field, before any work."""
+import json
+import re
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from dspark_rt import Decoder, SamplingParams  # noqa: E402
+from dspark_rt.structured import StructuredOutputsParams  # noqa: E402
+from dspark_rt.tools.serve import build_state  # noqa: E402
+from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+REGEX = r"def [a-z_]{1,8}\(\):"
+CHOICES = ["yes", "no", "maybe"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    state = build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=8, dtype="float32")
+    srv = _Server(state)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def _complete(client, stream, extra, prompt=PROMPTS[0], max_tokens=48):
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)
+                   if c.choices)
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return Decoder.from_pretrained(TARGET, DRAFTER, dtype="float32")
+
+
+def _direct(dec, spec, prompt=PROMPTS[0], max_tokens=48):
+    """What the Python API decodes for the same pair (greedy, the same grammar)."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+    return dec.generate([prompt], sp, use_tqdm=False)[0].text
+
+
+WAYS = [  # (request fields, the same grammar as params, check of the text)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     StructuredOutputsParams(json=SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
+    ({"structured_outputs": {"regex": REGEX}}, StructuredOutputsParams(regex=REGEX),
+     lambda t: re.fullmatch(REGEX, t) is not None),
+    ({"guided_choice": CHOICES}, StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES),
+    ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA),
+     lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("way", range(len(WAYS)))
+def test_every_way_of_asking_parses_and_equals_the_python_api(decoder, client, way, stream):
+    extra, spec, ok = WAYS[way]
+    text = _complete(client, stream, extra)
+    assert ok(text), text
+    assert text == _direct(decoder, spec)
+
+
+def test_chat_with_response_format_json_object(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=48, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+])
+def test_bad_grammars_are_refused_by_name(server, client, extra, field):
+    served = server.state.engine.num_rounds
+    with pytest.raises(openai.BadRequestError) as e:
+        _complete(client, False, extra)
+    assert e.value.body["param"] == field, e.value.body
+    assert server.state.engine.num_rounds == served  # refused before any work
