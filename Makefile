@@ -9,9 +9,12 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 # a machine without a GPU skips minutes of nvcc for two architectures it cannot run.
 DSPARK_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 export DSPARK_CUDA
+# what the demo needs (build tools, the runtime, the plots) ...
 DEPS := setuptools wheel pybind11 cmake ninja numpy safetensors tokenizers jinja2 tqdm \
-        pytest hypothesis scipy transformers matplotlib nvidia-ml-py \
-        fastapi uvicorn prometheus-client openai httpx "lm-eval[api]" xgrammar jsonschema
+        matplotlib nvidia-ml-py scipy
+# ... and what only the tests need (the real clients the server is tested with among them)
+TEST_DEPS := pytest hypothesis transformers fastapi uvicorn prometheus-client openai httpx \
+        "lm-eval[api]" xgrammar jsonschema
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: test demo build env bench-cpu clean
@@ -20,6 +23,10 @@ $(VENV)/.deps: Makefile pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
 	$(PY) -m pip install --progress-bar on $(DEPS)
+	touch $@
+
+$(VENV)/.test-deps: $(VENV)/.deps
+	$(PY) -m pip install --progress-bar on $(TEST_DEPS)
 	touch $@
 
 $(VENV)/.build-$(DSPARK_CUDA): $(VENV)/.deps $(SOURCES)
@@ -33,7 +40,7 @@ build: $(VENV)/.build-$(DSPARK_CUDA)
 env: build
 	$(PY) -m dspark_rt env
 
-test: build
+test: build $(VENV)/.test-deps
 	$(PY) -m dspark_rt env
 	$(PY) -m pytest -q -ra
 

@@ -49,6 +49,18 @@ def test_makefile_builds_cuda_only_when_asked():
     assert "DSPARK_CUDA=1" in ci and " -q" not in ci
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_demo_installs_no_test_clients():
+    """A first `make demo` installs the runtime and the plots, not the tests' clients (lm-eval,
+    the openai client, xgrammar, ...): those come with `make test`."""
+    def dry(goal):
+        return subprocess.run(["make", "-n", goal, "VENV=/nonexistent-venv"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    demo, test = dry("demo"), dry("test")
+    for client in ("lm-eval", "openai", "xgrammar", "pytest"):
+        assert client not in demo and client in test, client
+
+
 def test_demo_acceptance_plot_is_labelled_as_computed(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
