@@ -11,7 +11,7 @@ DSPARK_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 export DSPARK_CUDA
 DEPS := setuptools wheel pybind11 cmake ninja numpy safetensors tokenizers jinja2 tqdm \
         pytest hypothesis scipy transformers matplotlib nvidia-ml-py \
-        fastapi uvicorn prometheus-client openai httpx "lm-eval[api]" xgrammar jsonschema
+        fastapi uvicorn prometheus-client openai httpx "lm-eval[api]" xgrammar jsonschema "guidellm~=0.8.1"
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: test demo build env bench-cpu clean
