@@ -14,7 +14,7 @@ DEPS := setuptools wheel pybind11 cmake ninja numpy safetensors tokenizers jinja
         matplotlib nvidia-ml-py scipy
 # ... and what only the tests need (the real clients the server is tested with among them)
 TEST_DEPS := pytest hypothesis transformers fastapi uvicorn prometheus-client openai httpx \
-        "lm-eval[api]" xgrammar jsonschema
+        "lm-eval[api]" xgrammar jsonschema "guidellm~=0.8.1"
 SOURCES := setup.py pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: test demo build env bench-cpu clean
