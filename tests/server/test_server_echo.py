@@ -14,22 +14,11 @@ pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 
 from dspark_rt import Decoder, SamplingParams  # noqa: E402
-from dspark_rt.tools.serve import build_state  # noqa: E402
 from tests.support.helpers import full_forward_logits  # noqa: E402
-from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _pages_back, _Server  # noqa: E402
+from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _pages_back  # noqa: E402
+from tests.support.server import client, server  # noqa: E402, F401 (module fixtures)
 
 
-@pytest.fixture(scope="module")
-def server():
-    state = build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=8, dtype="float32")
-    srv = _Server(state)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from dspark_rt.tools.serve import build_state  # noqa: E402
 from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
+from tests.support.server import client, server  # noqa: E402, F401 (module fixtures)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "dspark_rt.json"
 
@@ -35,17 +36,6 @@ VLLM_NAMES = [  # vllm/v1/metrics/loggers.py and spec_decode/metrics.py, prefix 
 ]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = _Server(build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=8,
-                              dtype="float32"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def _samples(url) -> dict:

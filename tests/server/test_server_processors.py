@@ -9,24 +9,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from dspark_rt import Decoder, SamplingParams  # noqa: E402
-from dspark_rt.tools.serve import build_state  # noqa: E402
-from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
+from tests.support.server import MODEL, PROMPTS, TARGET  # noqa: E402
+from tests.support.server import client, server  # noqa: E402, F401 (module fixtures)
 
 N = 16
 MSGS = [{"role": "user", "content": "Sort a list."}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = _Server(build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=8,
-                              dtype="float32"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from dspark_rt import Decoder, SamplingParams  # noqa: E402
 from dspark_rt.structured import StructuredOutputsParams  # noqa: E402
-from dspark_rt.tools.serve import build_state  # noqa: E402
-from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET, _Server  # noqa: E402
+from tests.support.server import DRAFTER, MODEL, PROMPTS, TARGET  # noqa: E402
+from tests.support.server import client, server  # noqa: E402, F401 (module fixtures)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "n": {"type": "integer"}},
@@ -25,17 +25,6 @@ REGEX = r"def [a-z_]{1,8}\(\):"
 CHOICES = ["yes", "no", "maybe"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    state = build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=8, dtype="float32")
-    srv = _Server(state)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def _complete(client, stream, extra, prompt=PROMPTS[0], max_tokens=48):

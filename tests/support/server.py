@@ -6,6 +6,7 @@ import threading
 import time
 from importlib.resources import files
 
+import pytest
 import uvicorn
 
 from dspark_rt.server import build_app
@@ -54,3 +55,20 @@ def _pages_back(state, timeout=30.0):
             return True
         time.sleep(0.05)
     return False
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The shipped pair served in float32, 8 requests per batch (a module's fixture: import it)."""
+    from dspark_rt.tools.serve import build_state
+    srv = _Server(build_state(TARGET, DRAFTER, served_model_name=MODEL, max_num_seqs=8,
+                              dtype="float32"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The real `openai` client of `server`."""
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
