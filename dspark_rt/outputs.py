@@ -131,6 +131,9 @@ class CompletionOutput:
     # the target's logits, ...), the reason in RequestOutput.error; None: still running
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # with structured output, once finished: whether the text is a whole match of the grammar
+    # (False: max_tokens or the context ended it first; the text is a prefix of a match)
+    grammar_complete: bool | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

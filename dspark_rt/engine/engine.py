@@ -10,6 +10,7 @@ An Engine owns its runner's KV caches: a newer Engine on the same runner allocat
 the older Engine refuses to step from then on.
 """
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, replace
 
@@ -29,6 +30,7 @@ from .config import EngineConfig, EngineLimits
 from .processing import Processor
 from .scheduler import RequestScheduler, all_tokens
 
+log = logging.getLogger(__name__)
 _BAD_LOGITS = "NaN or inf in the target's logits"
 
 
@@ -117,6 +119,8 @@ class Engine:
             req.params.update_from_tokenizer(self.processor.tokenizer, self.processor.vocab_size)
         except ValueError as e:
             raise ValueError(f"request {index}: {e}") from None
+        if req.params.structured_outputs is not None:  # outside the lock: rounds go on meanwhile
+            self.compile_grammar(req.params.structured_outputs)
         return req
 
     def add_request(self, prompt, params=None) -> int:
@@ -127,16 +131,18 @@ class Engine:
     def add(self, req) -> int:
         """Queues a request from make_request."""
         with self._lock:
-            if req.params.structured_outputs is not None:
-                self._grammar(req.params.structured_outputs)
+            if req.params.structured_outputs is not None:  # compiled by make_request: a look-up
+                self.compile_grammar(req.params.structured_outputs)
             self.scheduler.add(req)
             self.state.add(req.request_id)
             self.requests[req.request_id] = req
         return req.request_id
 
-    def _grammar(self, spec):
-        """Checks that this Engine can serve a structured-output request, and compiles its grammar
-        (cached per grammar and tokenizer) before any work: a ValueError naming the field."""
+    def compile_grammar(self, spec):
+        """Checks that this Engine can serve a structured-output request and compiles its grammar
+        (cached per grammar and tokenizer): a ValueError naming the field, before any work. Takes
+        no engine lock, so a large schema compiles in the caller's thread while rounds run (the
+        server calls it from a worker thread before it queues the request)."""
         c = self.state.constraints
         if c.compiler is None:
             if self.tokenizer is None:
@@ -147,6 +153,15 @@ class Engine:
             c.compiler = grammar_book(self.tokenizer, self.runner.target.config.vocab_size)
         if hasattr(c.compiler, "compile"):  # a GrammarBook (tests may give a bare matcher factory)
             c.compiler.compile(spec)
+
+    def _grammar_end(self, req):
+        """Records whether a finished request's text is a whole match of its grammar; one that
+        ran out of tokens first says so in its output and in the log."""
+        req.grammar_complete = bool(self.state.constraints.complete(req.request_id))
+        if not req.grammar_complete and req.finish_reason == "length":
+            log.warning("request %s: max_tokens=%s (or the context) ended it before its grammar "
+                        "completed: the text is a prefix of a match, not a match",
+                        req.request_id, req.params.max_tokens)
 
     def abort(self, request_id: int) -> bool:
         """Drops a request wherever it is; its pages go back to the pool."""
@@ -242,6 +257,8 @@ class Engine:
                 if rid in errors:
                     self.processor.fail(req, errors[rid])
                 if req.finished:
+                    if req.params.structured_outputs is not None:
+                        self._grammar_end(req)
                     self.scheduler.finish(rid)
                     self.state.finish(rid)
                     del self.requests[rid]

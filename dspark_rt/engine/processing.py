@@ -184,7 +184,8 @@ class Processor:
         completion = CompletionOutput(0, text, list(r.output_ids),
                                       sum(r.logprobs) if asked else None,
                                       self._logprob_dicts(r) if asked else None,
-                                      r.finish_reason, r.stop_reason if done else None)
+                                      r.finish_reason, r.stop_reason if done else None,
+                                      r.grammar_complete)
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], done, r.metrics,
                              r.error, r.prompt_logprobs)
 

@@ -40,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it
     error: str | None = None  # why the request failed (finish_reason "error")
+    grammar_complete: bool | None = None  # set when it finishes, if it asked for a grammar
     text: str | None = None  # the text cut before a stop string (None: decode output_ids)
     detok: object = None  # tokenizer.IncrementalText, when stop strings are checked
     # engine prefill (prompt_logprobs.py): per prompt position, None or {token_id: logprob}

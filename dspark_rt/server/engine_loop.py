@@ -123,10 +123,17 @@ class EngineLoop:
         return None
 
     async def submit(self, prompt, params: SamplingParams) -> Submission:
-        """Queues a request; returns once it is in the engine. Raises APIError 400 for a prompt
+        """Queues a request; returns once it is in the engine. Its grammar, if any, is compiled
+        first in a worker thread (xgrammar releases the GIL): the engine thread only looks it up.
+        Raises APIError 400 for a prompt
         the engine refuses (too long, bad token ids), 503 when the queue is full or the engine
         is down."""
         loop = asyncio.get_running_loop()
+        if params.structured_outputs is not None:  # compiled here, so rounds never wait on it
+            try:
+                await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
+            except ValueError as e:
+                raise APIError(400, str(e), "structured_outputs") from None
         sub = Submission(prompt, params, loop, loop.create_future())
         with self._cv:
             why = self.down()  # under the lock: a dying engine thread answers what is queued

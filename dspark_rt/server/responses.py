@@ -49,6 +49,16 @@ def finish_reason(out: RequestOutput) -> str:
     return "length" if out.finish_reason == "length" else "stop"
 
 
+def with_grammar(choice: dict, out: RequestOutput) -> dict:
+    """A finished choice of a request with structured output says whether its text is a whole
+    match ("grammar_complete": false when max_tokens cut it first; the field is absent without
+    a grammar)."""
+    complete = out.outputs[0].grammar_complete
+    if complete is not None:
+        choice["grammar_complete"] = complete
+    return choice
+
+
 class Logprobs:
     """The OpenAI log-probability objects of emitted tokens: completions' {tokens,
     token_logprobs, top_logprobs, text_offset} and chat's {content: [{token, logprob, bytes,
@@ -185,7 +195,7 @@ class Body:
         else:
             choice = {"index": 0, "text": text, "logprobs": lp,
                       "finish_reason": finish_reason(out)}
-        body = self._root(False, [choice])
+        body = self._root(False, [with_grammar(choice, out)])
         self._with_prompt(choice, lp, out.prompt_logprobs, body)
         body["usage"] = usage(len(out.prompt_token_ids), len(ids))
         body["metrics"] = spec_metrics(out.metrics)
@@ -244,6 +254,7 @@ class Body:
         if self.score_only:
             new_ids, logprobs, tops = [], ([] if logprobs is not None else None), None
         chunk = self._chunk(rest, new_ids, logprobs, finish_reason(out), tops)
+        with_grammar(chunk["choices"][0], out)
         self.sent += rest
         return chunk
 

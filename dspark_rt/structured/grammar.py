@@ -106,7 +106,7 @@ class GrammarBook:
         return self.cache[key]
 
     def __call__(self, spec, V: int) -> "Matcher":
-        return Matcher(self.compile(spec), V)
+        return Matcher(self.compile(spec), V, self.info.stop_token_ids)
 
 
 def choice_regex(choices) -> str:
@@ -117,13 +117,24 @@ def choice_regex(choices) -> str:
 class Matcher:
     """One request's grammar state (xgrammar's GrammarMatcher) as the walk needs it."""
 
-    def __init__(self, compiled, V: int):
+    def __init__(self, compiled, V: int, stop_ids=()):
         self.m = xgr.GrammarMatcher(compiled)
         self.buf = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
+        self.stop_ids = [int(t) for t in stop_ids]
 
     @property
     def terminated(self) -> bool:
         return self.m.is_terminated()
+
+    @property
+    def complete(self) -> bool:
+        """Whether the text so far is a whole match: the grammar ended (a stop token taken), or
+        it would take a stop token now (an output cut by max_tokens right at its end)."""
+        if self.terminated:
+            return True
+        self.m.fill_next_token_bitmask(self.buf, 0)
+        words = self.buf[0]
+        return any(int(words[t >> 5]) >> (t & 31) & 1 for t in self.stop_ids)
 
     def fill(self, row: np.ndarray):
         self.m.fill_next_token_bitmask(self.buf, 0)

@@ -9,7 +9,7 @@ Per request with a grammar, one matcher at its committed prefix. Each round:
     commit          the emitted tokens x_1 .. x_a, y advance it (y comes from a masked row, so
                     the grammar always takes it)
 A matcher is anything with fill(words) (writes its state's int32 bitmask row), accept(token)
--> bool, rollback(n) and terminated; compiler(params, V) makes one (grammar.py: xgrammar).
+-> bool, rollback(n), terminated and complete (a whole match so far); compiler(params, V) makes one (grammar.py: xgrammar).
 """
 import time
 
@@ -88,6 +88,12 @@ class Constraints:
             if bad:
                 self.matchers.pop(rid, None)
         self.host_s += time.perf_counter() - t0
+
+    def complete(self, rid) -> bool | None:
+        """Whether request rid's output so far is a whole match of its grammar (None: it has no
+        matcher: no grammar, or no token taken yet)."""
+        m = self.matchers.get(rid)
+        return None if m is None else m.complete
 
     def drop(self, rid):
         """A request finished or was aborted: its matcher goes."""

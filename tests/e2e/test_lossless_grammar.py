@@ -7,7 +7,7 @@ vanilla, T 1). With top-k / top-p the law is their filter of P' (the mask first,
 
 | variant | what is wrong | p |
 | --- | --- | --- |
-| correct | | 1 (sync gated T 0.6: 0.24; choice on dflash: 1; threshold top-p 0.7: 0.56; async top-k 2: 1) |
+| correct | | 1 (sync gated T 0.6: 0.24; choice on dflash: 1; threshold top-p 0.7: 0.56; async top-k 2: 1; auto regex: 0.67) |
 | filter-before-mask | top-k / top-p applied to P, then the mask (the code before this test) | 3e-149 (top-p), 0 (top-k) |
 | no-rollback | the matcher keeps the walked drafts after a rejection | 4e-196 |
 | stale-state | row k masked with the committed state, not the state after x_1 .. x_k | 0 |
@@ -24,7 +24,8 @@ CASES = [(H.Case("dspark", "fixed", "vanilla", 1.0), "regex"),
          (H.Case("dspark", "sync", "gated", 0.6), "regex"),
          (H.Case("dflash", "fixed", "none", 1.0), "choice"),
          (H.Case("dspark", "threshold", "vanilla", 0.6, top_p=0.7), "regex"),
-         (H.Case("dspark", "async", "gated", 1.0, top_k=2), "regex")]
+         (H.Case("dspark", "async", "gated", 1.0, top_k=2), "regex"),
+         (H.Case("dspark", "auto", "vanilla", 1.0), "regex")]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ StructuredOutputsParams; a bad grammar, an unknown form or two ways at once is a
 field, before any work."""
 import json
 import re
+import threading
 
 import pytest
 
@@ -86,3 +87,38 @@ def test_bad_grammars_are_refused_by_name(server, client, extra, field):
         _complete(client, False, extra)
     assert e.value.body["param"] == field, e.value.body
     assert server.state.engine.num_rounds == served  # refused before any work
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_cut_by_max_tokens_says_so(client, stream):
+    """A schema that needs more tokens than max_tokens allows ends with "length" and
+    grammar_complete false; one that finishes says true."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], temperature=0, extra_body={"guided_json": SCHEMA})
+    if stream:
+        last = [c for c in client.completions.create(stream=True, max_tokens=3, **kw) if c.choices][-1]
+        choice = last.choices[0]
+    else:
+        choice = client.completions.create(max_tokens=3, **kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.model_extra["grammar_complete"] is False
+    whole = client.completions.create(max_tokens=48, **kw).choices[0]
+    assert whole.finish_reason == "stop" and whole.model_extra["grammar_complete"] is True
+
+
+def test_grammars_compile_off_the_engine_thread(server, client, monkeypatch):
+    """A grammar the engine has not seen is compiled before its request reaches the engine
+    thread, so other requests' rounds never wait for a large schema."""
+    from dspark_rt.structured.grammar import GrammarBook
+    compiled_on, real = [], GrammarBook.compile
+
+    def spy(book, spec):
+        if spec.key() not in book.cache:
+            compiled_on.append(threading.current_thread().name)
+        return real(book, spec)
+
+    monkeypatch.setattr(GrammarBook, "compile", spy)
+    fresh = {"type": "object", "properties": {"unseen_field": {"type": "boolean"}},
+             "required": ["unseen_field"], "additionalProperties": False}
+    text = _complete(client, False, {"guided_json": fresh})
+    assert isinstance(json.loads(text)["unseen_field"], bool)
+    assert compiled_on and "dspark-rt-engine" not in compiled_on, compiled_on

@@ -108,3 +108,17 @@ def test_completed_grammar_is_not_restarted(tok, book):
     assert bool((c.first_masks([m], V, "cpu") == -1).all())
     c.drop("r")
     assert c.of(batch, V)[0] is not m
+
+
+def test_complete_means_a_whole_match_so_far(tok, book):
+    """complete: the text is a whole match (its stop token taken, or allowed next); a prefix of
+    a match is not complete. The engine reports it as grammar_complete."""
+    c = Constraints(book)
+    (m,) = c.of(_Batch(["r"], [S(choice=["pass", "passed"])]), V)
+    first, *rest = tok.encode("pass", add_special_tokens=False)
+    assert rest and c.complete("r") is False and c.complete("other") is None
+    assert m.accept(first) and c.complete("r") is False  # a prefix of "pass"
+    for t in rest:
+        assert m.accept(t)
+    assert c.complete("r") and not m.terminated  # "pass" matches; "passed" may still follow
+    assert m.accept(tok.eos_token_ids[0]) and m.terminated and c.complete("r")

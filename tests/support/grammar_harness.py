@@ -41,6 +41,8 @@ class ToyMatcher:
     def terminated(self) -> bool:
         return not allowed(self.form, self.prefix)
 
+    complete = terminated  # the toy grammars end where nothing more is allowed
+
     def fill(self, row):
         row[:] = 0
         for t in allowed(self.form, self.prefix):
