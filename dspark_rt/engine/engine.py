@@ -159,7 +159,7 @@ class Engine:
         ran out of tokens first says so in its output and in the log."""
         req.grammar_complete = bool(self.state.constraints.complete(req.request_id))
         if not req.grammar_complete and req.finish_reason == "length":
-            log.warning("request %s: max_tokens=%s (or the context) ended it before its grammar "
+            log.info("request %s: max_tokens=%s (or the context) ended it before its grammar "
                         "completed: the text is a prefix of a match, not a match",
                         req.request_id, req.params.max_tokens)
 
