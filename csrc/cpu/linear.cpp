@@ -12,7 +12,11 @@
 // float64); weights are read in place, kNr rows at a time, 16-bit ones widened in registers, so
 // a weight byte is read once per row block: a decode-sized call streams the weights once. The
 // micro-kernel keeps kMr x kNr accumulators of 8 lanes in registers (AVX2: 12 of 16 ymm). Work
-// is split over threads by weight rows only.
+// is split over threads by weight rows only. With 16-bit weights and more than kMr rows (a
+// verify of gamma + 1, a batch), kNr weight rows are widened once into a zero-padded float block
+// and swept by 4 x 3 tiles (WideTask): widening in registers cost one conversion per kMr rows,
+// which made 8 rows cost 4.6 one-row calls; now about 3 (AVX2 has no bf16 dot product, so 8
+// rows are FMA-bound here: 8 N K FMAs against one pass over 2 N K bytes).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -122,10 +126,82 @@ DSPARK_ALWAYS_INLINE void MicroTile(const A* xp, int64_t kp, const W* const w[kN
     }
 }
 
+// acc[i][j] += Xp row i (x) Wp row j over all Kp: both zero-padded past K, so the sequence of
+// additions per output is MicroTile's exactly (its tail adds the same zero-padded vectors).
+template <class A, int kRows, int kCols>
+DSPARK_ALWAYS_INLINE void PaddedTile(const A* xp, int64_t kp, const A* wp, A* out, int64_t ldo) {
+  using V = VecA<A>;
+  V acc[kRows][kCols];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kCols; ++j) acc[i][j] = V{};
+  for (int64_t k = 0; k < kp; k += kLanes) {
+    V xv[kRows];
+    for (int i = 0; i < kRows; ++i) xv[i] = *reinterpret_cast<const V*>(xp + i * kp + k);
+    for (int j = 0; j < kCols; ++j) {
+      const V wv = *reinterpret_cast<const V*>(wp + j * kp + k);
+      for (int i = 0; i < kRows; ++i) acc[i][j] += xv[i] * wv;
+    }
+  }
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kCols; ++j) {
+      const V& a = acc[i][j];
+      out[i * ldo + j] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    }
+}
+
+// The 16-bit path for several rows of x: kNr weight rows are widened once into a zero-padded
+// float block (L1-resident), then swept by tiles of kWideRows rows of x, so the widening is paid
+// once per weight byte whatever the number of rows (in registers it was paid once per kMr rows).
+constexpr int kWideRows = 4;
+constexpr int kWideCols = 3;  // 12 accumulators (FMA latency x 2 pipes) + 4 x + 1 w: one spill
+
+template <class A, int kRows>
+DSPARK_ALWAYS_INLINE void WideRows(const A* xp, int64_t kp, const A* wp, A acc[][kNr]) {
+  for (int j = 0; j < kNr; j += kWideCols)
+    PaddedTile<A, kRows, kWideCols>(xp, kp, wp + j * kp, &acc[0][j], kNr);
+}
+
+template <class A, class T>
+DSPARK_ALWAYS_INLINE void WideTask(const LinearParams& p, const A* xp, int64_t kp, int64_t m0,
+                                   int64_t mb, int64_t n0, int64_t n1) {
+  static_assert(kNr % kWideCols == 0, "weight block must split into whole tiles");
+  const T* w = static_cast<const T*>(p.w);
+  T* out = static_cast<T*>(p.out);
+  std::vector<A> wp(kNr * kp);
+  for (int64_t n = n0; n < n1; n += kNr) {
+    for (int j = 0; j < kNr; ++j) {
+      A* row = wp.data() + j * kp;
+      if (n + j < n1) {
+        const T* src = w + (n + j) * p.ldw;
+        const int64_t K8 = p.K / kLanes * kLanes;
+        for (int64_t k = 0; k < K8; k += kLanes) LoadW(src + k, *reinterpret_cast<VecA<A>*>(row + k));
+        for (int64_t k = K8; k < p.K; ++k) row[k] = Widen(src[k]);
+        std::fill(row + p.K, row + kp, A(0));
+      } else {
+        std::fill(row, row + kp, A(0));
+      }
+    }
+    for (int64_t i = 0; i < mb; i += kWideRows) {
+      A acc[kWideRows][kNr];
+      const A* xi = xp + i * kp;
+      switch (std::min<int64_t>(kWideRows, mb - i)) {
+        case 1: WideRows<A, 1>(xi, kp, wp.data(), acc); break;
+        case 2: WideRows<A, 2>(xi, kp, wp.data(), acc); break;
+        case 3: WideRows<A, 3>(xi, kp, wp.data(), acc); break;
+        default: WideRows<A, kWideRows>(xi, kp, wp.data(), acc); break;
+      }
+      for (int a = 0; a < kWideRows && i + a < mb; ++a)
+        for (int j = 0; j < kNr && n + j < n1; ++j)
+          Narrow(acc[a][j], out + (m0 + i + a) * p.ldo + n + j);
+    }
+  }
+}
+
 // Rows [m0, m0 + mb) of x against weight rows [n0, n1): Xp holds those rows widened.
 template <class A, class T>
 DSPARK_ALWAYS_INLINE void Task(const LinearParams& p, const A* xp, int64_t kp, int64_t m0,
                                int64_t mb, int64_t n0, int64_t n1, const T* zero_w) {
+  if (sizeof(T) == 2 && mb > kMr) return WideTask<A, T>(p, xp, kp, m0, mb, n0, n1);
   const T* w = static_cast<const T*>(p.w);
   T* out = static_cast<T*>(p.out);
   for (int64_t n = n0; n < n1; n += kNr) {

@@ -1,5 +1,5 @@
 """ops.linear's C++ kernel against the reference (torch in float32 / float64) on fresh random
-inputs, and the door's argument checks. Row invariance is tests/test_row_invariance.py."""
+inputs, and the door's argument checks. Row invariance is tests/ops/test_row_invariance.py."""
 import pytest
 import torch
 
