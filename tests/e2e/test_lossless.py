@@ -96,8 +96,11 @@ def _decode(head, policy, dtype, batch):
     return first, second, hit
 
 
+# float32 is exact (row-invariant forwards), so every case runs in it; float64, the slow
+# reference dtype, only for one drafter of each mode
 CASES = [(h, p, dt, b) for (h, p) in FLOORS for dt in ("float64", "float32") for b in (1, 8)
-         if b == 8 or (h, p) in {("vanilla", "fixed"), ("vanilla", "threshold"), ("none", "fixed")}]
+         if (b == 8 or (h, p) in {("vanilla", "fixed"), ("vanilla", "threshold"), ("none", "fixed")})
+         and (dt == "float32" or (h, p) in {("vanilla", "fixed"), ("none", "fixed")})]
 
 
 @pytest.mark.parametrize("head,policy,dtype,batch", CASES,
